@@ -1,0 +1,207 @@
+"""The engine's step loop: admit requests, schedule, run the model, sample, detokenize, emit outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.detokenizer import IncrementalDetokenizer
+from omni_backend.engine.model_runner import ModelRunner
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.scheduler import Scheduler
+from omni_backend.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of a generated token (natural log) and the top alternatives as (token_id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced since its previous output.
+
+    Attributes:
+        text: released text delta (the whole text for non-streamed requests).
+        token_ids: generated token ids in this delta (stop tokens excluded).
+        finish_reason: None while running, else "stop", "length" or "abort".
+        prompt_tokens, completion_tokens: cumulative counts (tokens).
+        logprobs: one entry per token of `token_ids` when requested, else empty.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _RequestState:
+    """Engine-side bookkeeping next to a Sequence: detokenizer and not-yet-emitted tokens."""
+
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer):
+        self.seq = seq
+        self.detokenizer = detokenizer
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.text = ""  # accumulated text of non-streamed requests
+
+
+class LLMEngine:
+    """Continuous-batching LLM engine over a paged KV cache. Not thread-safe: one thread drives `step`.
+
+    Raises (constructor): what ModelRunner raises.
+    """
+
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None):
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_waiting)
+        self.eos_token_ids = self._eos_token_ids(config.model_path)
+        self.requests: dict[str, _RequestState] = {}
+        self.num_steps = 0
+        self._offline_ids = itertools.count()
+
+    def _eos_token_ids(self, model_path: str) -> set[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:
+            eos = None
+        for value in (eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(value)
+        return ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def validate_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError if the request can never be served (too long for the model or the whole cache)."""
+        total = num_prompt_tokens + params.max_tokens
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if total > self.config.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, you "
+                             f"requested {total} tokens ({num_prompt_tokens} in the prompt, {params.max_tokens} "
+                             f"for the completion)")
+        cache_tokens = self.runner.num_blocks * self.config.block_size
+        if total > cache_tokens:
+            raise ValueError(f"request needs {total} tokens of KV cache, the whole cache holds {cache_tokens}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, or a request that can never fit.
+            OverflowError: the waiting queue is full.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.validate_request(len(prompt_token_ids), params)
+        seq = Sequence(request_id, prompt_token_ids, params, time.monotonic())
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        self.requests[request_id] = _RequestState(seq, detok)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output, None if unknown."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.finish(state.seq, "abort")
+        return self._emit(state, final=True)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs for requests with new text or that finished."""
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        self.num_steps += 1
+        sampled, result = self.runner.execute(batch)
+        outputs: list[RequestOutput] = []
+        if result is None:
+            return outputs
+        now = time.monotonic()
+        for row, seq in enumerate(sampled):
+            state = self.requests[seq.request_id]
+            token = result.token_ids[row]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_ids.append(token)
+            reason = self._check_stop(state, token, result.logprobs[row])
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            output = self._emit(state, final=reason is not None)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _check_stop(self, state: _RequestState, token: int, logprob) -> str | None:
+        seq, params = state.seq, state.seq.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        state.pending_ids.append(token)
+        if logprob is not None:
+            state.pending_logprobs.append(TokenLogprob(token, logprob[0], logprob[1]))
+        if state.detokenizer.add_token(token):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, state: _RequestState, final: bool) -> RequestOutput | None:
+        seq = state.seq
+        delta = state.detokenizer.release(final)
+        if not seq.params.stream:
+            state.text += delta
+            if not final:
+                return None
+            delta = state.text
+        elif not final and not delta:
+            return None  # hold ids until they produce visible text (incomplete UTF-8 or possible stop string)
+        output = RequestOutput(seq.request_id, delta, state.pending_ids, seq.finish_reason if final else None,
+                               seq.num_prompt_tokens, seq.num_output_tokens, state.pending_logprobs)
+        state.pending_ids = []
+        state.pending_logprobs = []
+        if final:
+            del self.requests[seq.request_id]
+        return output
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Offline batch generation: run all prompts to completion; returns one final output per prompt."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        finals: dict[str, RequestOutput] = {}
+        ids = [f"offline-{next(self._offline_ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, SamplingParams(**{**p.__dict__, "stream": False}))
+        while self.has_unfinished():
+            for output in self.step():
+                if output.finished:
+                    finals[output.request_id] = output
+        return [finals[i] for i in ids]

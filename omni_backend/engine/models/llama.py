@@ -1,0 +1,140 @@
+"""Llama-family decoder (Llama, Qwen2, SmolLM2) running on the paged KV cache.
+
+Architecture per Touvron et al., "LLaMA" (2023) and the Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM`
+configs: pre-RMSNorm (Zhang & Sennrich 2019), rotary embeddings, grouped-query attention (Ainslie et al.
+2023), SwiGLU MLP (Shazeer 2020), optional QKV bias (Qwen2) and tied input/output embeddings. Q/K/V and
+gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from omni_backend.engine.attention import AttentionMetadata, PagedAttention
+from omni_backend.engine.models.rope import apply_rope, cos_sin_cache, rope_parameters
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the HF reference."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, attention: PagedAttention):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = attention
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        tokens = x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin).to(x.dtype)
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin).to(x.dtype)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        attn = self.attention(q, k, v, k_cache, v_cache, meta)
+        x = x + self.o_proj(attn.reshape(tokens, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM. forward: input_ids int64 [T], positions int64 [T] -> hidden [T, hidden_size]."""
+
+    def __init__(self, config, attention: PagedAttention, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                        bias=False)
+        # float32 tables, kept out of the parameters so dtype casts leave them alone; see `place_rope_cache`
+        self.cos_cache, self.sin_cache = cos_sin_cache(self.layers[0].head_dim, max_positions,
+                                                       rope_parameters(config))
+
+    def place_rope_cache(self, device: torch.device) -> None:
+        """Move the RoPE tables [max_positions, head_dim] float32 to the model's device."""
+        self.cos_cache = self.cos_cache.to(device)
+        self.sin_cache = self.sin_cache.to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                meta: AttentionMetadata, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        cos = self.cos_cache[positions]
+        sin = self.sin_cache[positions]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, model_path: str) -> None:
+        """Load HF safetensors weights, fusing q/k/v and gate/up projections.
+
+        Raises:
+            FileNotFoundError: no *.safetensors in model_path.
+            KeyError: a weight the model needs is missing from the checkpoint.
+        """
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {model_path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for path in files:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name.removeprefix("model.")] = handle.get_tensor(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"checkpoint {model_path} lacks weight {name!r}")
+            return tensors[name]
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("embed_tokens.weight"))
+            self.norm.weight.copy_(take("norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(tensors.get("lm_head.weight", take("embed_tokens.weight")))
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if layer.qkv_proj.bias is not None:
+                    layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                           take(p + "mlp.up_proj.weight")]))
+                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))

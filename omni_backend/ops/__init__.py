@@ -1,0 +1,1 @@
+"""Hardware inventory and operational policy (dtypes, kernels, governor)."""

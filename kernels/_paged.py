@@ -1,0 +1,92 @@
+"""Helpers shared by the paged-KV-cache kernels: input checks and the torch gather used by references.
+
+Cache layout (fixed by the engine): per layer ``k_cache`` and ``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot ``s`` lives at
+``cache[s // block_size, s % block_size]``. Block tables are int32 ``[B, max_blocks_per_seq]``;
+entries past a sequence's length may be garbage and are never used to address the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate a K/V cache pair; return ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    Raises:
+        ValueError: not 4-D, shapes/dtypes/devices differ, or dtype not fp32/fp16/bf16.
+    """
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtypes must match and be fp32/fp16/bf16, got {k_cache.dtype}, {v_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
+    return tuple(k_cache.shape)  # type: ignore[return-value]
+
+
+def check_int_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    """Raise ValueError unless ``t`` has exactly ``dtype``, ``shape`` (None = any size) and ``device``."""
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} must have shape {shape} (None = any), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def check_launchable(*tensors: torch.Tensor) -> None:
+    """Raise ValueError if a Triton kernel cannot run on these tensors.
+
+    Triton kernels need CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before
+    ``triton`` was imported. On CPU the engine should call the ``*_reference`` functions instead.
+    """
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    for t in tensors:
+        if t.device.type != "cuda" and not interpret:
+            raise ValueError(
+                f"Triton kernel got a {t.device} tensor; use CUDA tensors, set TRITON_INTERPRET=1, "
+                "or call the *_reference function (the CPU path)"
+            )
+
+
+def gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Materialise the first ``lengths[b]`` tokens of each sequence from the paged cache.
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: int32 ``[B, max_blocks_per_seq]``.
+        lengths: integer ``[B]``, tokens to read per row (on the cache's device).
+        max_len: Python int >= max(lengths): the padded length ``L`` of the result.
+
+    Returns:
+        ``(k, v, valid)``: k, v ``[B, L, num_kv_heads, head_dim]`` in the cache dtype with zeros at
+        invalid positions (so NaN in unused cache slots never leaks), and bool ``valid [B, L]``.
+        Block-table entries of positions past ``lengths[b]`` are replaced by block 0 before use,
+        so garbage entries are never dereferenced.
+    """
+    block_size = k_cache.shape[1]
+    device = k_cache.device
+    pos = torch.arange(max_len, device=device)
+    valid = pos[None, :] < lengths.to(device=device, dtype=torch.long)[:, None]  # [B, L]
+    block_idx = torch.where(valid, pos[None, :] // block_size, 0)
+    block_ids = torch.gather(block_tables.long(), 1, block_idx)
+    block_ids = torch.where(valid, block_ids, 0)
+    offsets = (pos % block_size)[None, :].expand_as(block_ids)
+    keep = valid[:, :, None, None]
+    k = torch.where(keep, k_cache[block_ids, offsets], 0)
+    v = torch.where(keep, v_cache[block_ids, offsets], 0)
+    return k, v, valid

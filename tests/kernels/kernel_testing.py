@@ -1,0 +1,88 @@
+"""Shared builders and checks for the kernel tests (paged caches poisoned with NaN)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+# bf16 arithmetic is wrong under the Triton interpreter, so bf16 runs only on a GPU.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKV:
+    """A NaN-poisoned paged cache holding random K/V for the first ``lens[i]`` tokens of each row.
+
+    Blocks are assigned from a random permutation; every unused slot (tails of last blocks, spare
+    blocks) is NaN. Block-table entries past a row's length point at a dedicated all-NaN block,
+    so reading one of them poisons the result instead of crashing.
+    """
+
+    def __init__(self, lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=2):
+        self.block_size = block_size
+        needed = [cdiv(n, block_size) for n in lens]
+        max_blocks = max(needed + [1]) + 1
+        num_blocks = sum(needed) + spare_blocks + 1
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        self.poison_block = perm.pop()
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        tables = torch.full((len(lens), max_blocks), self.poison_block, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            for j in range(needed[i]):
+                tables[i, j] = perm.pop()
+            for p in range(n):
+                blk, off = tables[i, p // block_size], p % block_size
+                self.k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+                self.v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+        self.block_tables = tables
+        self.k_cache, self.v_cache = self.k_cache.to(DEVICE), self.v_cache.to(DEVICE)
+        self.block_tables = self.block_tables.to(DEVICE)
+
+    def sequence(self, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of row i's first n tokens, ``[n, num_kv_heads, head_dim]`` float64, one token at a time."""
+        ks, vs = [], []
+        for p in range(n):
+            blk = int(self.block_tables[i, p // self.block_size])
+            ks.append(self.k_cache[blk, p % self.block_size].double())
+            vs.append(self.v_cache[blk, p % self.block_size].double())
+        shape = (0,) + tuple(self.k_cache.shape[2:])
+        return (torch.stack(ks) if ks else torch.empty(shape, dtype=torch.float64, device=DEVICE),
+                torch.stack(vs) if vs else torch.empty(shape, dtype=torch.float64, device=DEVICE))
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos, scale: float) -> torch.Tensor:
+    """Float64 softmax attention for one sequence, head by head.
+
+    q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]``, q_pos: absolute positions of the queries (query i sees
+    keys ``<= q_pos[i]``). Returns ``[Lq, Hq, D]`` float64.
+    """
+    q = q.double()
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for h in range(q.shape[1]):
+        kh, vh = k[:, h // group], v[:, h // group]
+        for i, pos in enumerate(q_pos):
+            scores = (kh[: pos + 1] @ q[i, h]) * scale
+            w = torch.softmax(scores, dim=0)
+            out[i, h] = w @ vh[: pos + 1]
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "") -> None:
+    assert not torch.isnan(actual).any(), f"{what}: NaN in output (out-of-range cache read?)"
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    assert err <= atol, f"{what}: max abs error {err:.3g} > atol {atol:g}"
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

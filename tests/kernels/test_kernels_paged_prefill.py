@@ -1,0 +1,86 @@
+"""paged_prefill_attention: Triton vs torch reference vs naive float64 causal attention."""
+
+import pytest
+import torch
+from kernel_testing import ATOL, DEVICE, DTYPES, PagedKV, assert_close, default_scale, naive_attention
+
+from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+
+NUM_KV_HEADS = 2
+
+
+def _setup(q_lens, ctx_lens, block_size, group, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = PagedKV(ctx_lens, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
+    query = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(DEVICE, dtype)
+    starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    return kv, query, starts, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+
+
+def _naive(kv, query, q_lens, ctx_lens, scale):
+    out, t = torch.zeros_like(query, dtype=torch.float64), 0
+    for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        k, v = kv.sequence(i, ctx)
+        q_pos = list(range(ctx - q_len, ctx))
+        out[t : t + q_len] = naive_attention(query[t : t + q_len], k, v, q_pos, scale)
+        t += q_len
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_matches_reference_and_naive(block_size, group, dtype):
+    head_dim = 16
+    # (new tokens, total context): single token; full prompt not a block multiple; chunk after a
+    # cached prefix; prompt longer than one 64-row query tile; no new tokens; one token after a prefix.
+    pairs = [(1, 1), (13, 13), (7, 40), (70, 70), (0, 20), (1, 37)]
+    q_lens, ctx_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    kv, query, starts, context_lens = _setup(q_lens, ctx_lens, block_size, group, head_dim, dtype)
+    scale = default_scale(head_dim)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, context_lens, scale)
+
+    ref = paged_prefill_attention_reference(*args)
+    assert ref.dtype == dtype and ref.shape == query.shape
+    assert_close(ref, _naive(kv, query, q_lens, ctx_lens, scale), ATOL[dtype], "reference vs float64")
+    got = paged_prefill_attention(*args)
+    assert got.dtype == dtype and got.shape == query.shape
+    assert_close(got, ref, ATOL[dtype], "kernel vs reference")
+
+
+def test_prefill_strided_query_odd_head_dim():
+    head_dim, group = 24, 2
+    q_lens, ctx_lens = [5, 66], [21, 66]
+    kv, _, starts, context_lens = _setup(q_lens, ctx_lens, 16, group, head_dim, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(sum(q_lens), NUM_KV_HEADS * group + 4, head_dim, generator=gen).to(DEVICE)
+    query = qkv[:, 2 : 2 + NUM_KV_HEADS * group]
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, context_lens, 0.2)
+    ref = paged_prefill_attention_reference(*args)
+    assert_close(ref, _naive(kv, query, q_lens, ctx_lens, 0.2), ATOL[torch.float32], "reference vs float64")
+    assert_close(paged_prefill_attention(*args), ref, ATOL[torch.float32], "kernel vs reference")
+
+
+@pytest.mark.parametrize("fn", [paged_prefill_attention, paged_prefill_attention_reference])
+def test_prefill_rejects_bad_inputs(fn):
+    kv, query, starts, context_lens = _setup([3, 4], [3, 9], 16, 2, 16, torch.float32)
+    base = dict(query=query, k_cache=kv.k_cache, v_cache=kv.v_cache, block_tables=kv.block_tables,
+                query_start_loc=starts, context_lens=context_lens, scale=1.0)
+    bad = [
+        dict(query_start_loc=starts.long()),
+        dict(query_start_loc=starts[:2]),
+        dict(context_lens=context_lens.long()),
+        dict(block_tables=kv.block_tables[:1]),
+        dict(query=query[:, :3]),
+        dict(query=query.half()),
+    ]
+    for override in bad:
+        with pytest.raises(ValueError):
+            fn(**{**base, **override})
+
+
+def test_prefill_reference_rejects_more_new_tokens_than_context():
+    kv, query, starts, _ = _setup([3, 4], [3, 9], 16, 2, 16, torch.float32)
+    bad_ctx = torch.tensor([3, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="new tokens"):
+        paged_prefill_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, bad_ctx, 1.0)

@@ -1,0 +1,67 @@
+"""Triton glue for the decoupled llm stage; the engine and its threads live in omni_backend."""
+
+import json
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.stages.llm import LLMService, engine_config_from_parameters
+from omni_backend.engine.llm_engine import LLMEngine
+
+
+class _Sink:
+    """Sends one request's outputs through its Triton response sender."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, output):
+        logprobs = ""
+        if output.logprobs:
+            logprobs = json.dumps([{"id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                                   for lp in output.logprobs])
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([output.text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.array(output.token_ids, dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.array([(output.finish_reason or "").encode()], dtype=np.object_)),
+            pb_utils.Tensor("prompt_tokens", np.array([output.prompt_tokens], dtype=np.int32)),
+            pb_utils.Tensor("completion_tokens", np.array([output.completion_tokens], dtype=np.int32)),
+            pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
+        ]
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def fail(self, message, code=pb_utils.TritonError.INVALID_ARG):
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        config = engine_config_from_parameters({k: v["string_value"] for k, v in parameters.items()})
+        self.service = LLMService(LLMEngine(config))
+        self.service.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sink = _Sink(request.get_response_sender())
+            try:
+                ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
+                text = pb_utils.get_input_tensor_by_name(request, "sampling_params").as_numpy().reshape(-1)[0]
+                params = SamplingParams.from_json(text.decode("utf-8") if isinstance(text, bytes) else text)
+                request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+                self.service.submit(request_id, ids, params, sink)
+            except (ValueError, UnicodeDecodeError) as exc:
+                sink.fail(str(exc))
+            except Exception as exc:  # never take the stub down for one request
+                sink.fail(f"llm failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+        return None
+
+    def finalize(self):
+        self.service.shutdown()

@@ -23,11 +23,14 @@ from __future__ import annotations
 import filecmp
 import os
 import shutil
-import string
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from omni_backend import paths
+
+
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def _default_llm_model_path() -> str:
@@ -104,20 +107,23 @@ def model_names(templates: Path | None = None) -> list[str]:
 
 
 def render_config(template: str, settings: Settings, source: str = "config.pbtxt") -> str:
-    """Fill `${name}` placeholders of one config template.
+    """Fill the `${name}` placeholders of one config template.
 
+    Only `${identifier}` is a placeholder; any other `$` text (e.g. "${...}" in a comment) is left alone.
     Values are escaped for protobuf text string literals (backslash and double quote).
 
     Raises:
         ValueError: the template names a placeholder that is not a setting (message names file and key).
     """
     values = {k: v.replace("\\", "\\\\").replace('"', '\\"') for k, v in settings.as_strings().items()}
-    try:
-        return string.Template(template).substitute(values)
-    except KeyError as exc:
-        raise ValueError(f"{source}: unknown placeholder ${{{exc.args[0]}}}; settings: {', '.join(values)}") from None
-    except ValueError as exc:  # malformed placeholder such as a lone "$"
-        raise ValueError(f"{source}: {exc}") from None
+
+    def substitute(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in values:
+            raise ValueError(f"{source}: unknown placeholder ${{{name}}}; settings: {', '.join(values)}")
+        return values[name]
+
+    return _PLACEHOLDER.sub(substitute, template)
 
 
 def render_repository(

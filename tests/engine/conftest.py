@@ -1,0 +1,42 @@
+"""Fixtures for engine tests: the SmolLM2 checkpoint made at setup and a tiny random Qwen2 built here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_backend import paths
+
+SMOLLM2 = paths.models_dir() / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    if not (SMOLLM2 / "config.json").exists():
+        pytest.fail(f"{SMOLLM2} missing: run scripts/setup.sh")
+    return str(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, smollm2_path) -> str:
+    """A random Qwen2 (GQA 4:2, QKV bias, untied head, llama3 RoPE scaling) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # larger random biases so the bias path matters
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)

@@ -77,6 +77,12 @@ def _block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+def _num_stages(dtype: torch.dtype) -> int:
+    # fp32 K/V tiles are twice as large: two pipeline stages keep shared memory within ~100 KB
+    # (sm80 has 164 KB per SM); half-precision keeps Triton's usual three.
+    return 2 if dtype == torch.float32 else 3
+
+
 def tokens_per_split(max_context: int, num_splits: int, head_dim: int) -> int:
     """Partition length in tokens: ``ceil(max_context / num_splits)`` rounded up to the KV tile."""
     block_n = _block_n(head_dim)
@@ -316,6 +322,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         IEEE_DOT=query.dtype == torch.float32,
         DIRECT_OUT=direct,
+        num_stages=_num_stages(query.dtype),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](

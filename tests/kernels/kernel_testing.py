@@ -21,9 +21,10 @@ def cdiv(a: int, b: int) -> int:
 class PagedKV:
     """A NaN-poisoned paged cache holding random K/V for the first ``lens[i]`` tokens of each row.
 
-    Blocks are assigned from a random permutation; every unused slot (tails of last blocks, spare
-    blocks) is NaN. Block-table entries past a row's length point at a dedicated all-NaN block,
-    so reading one of them poisons the result instead of crashing.
+    Blocks are assigned from a random permutation of ``1..num_blocks-1``; every unused slot (tails
+    of last blocks, spare blocks) is NaN, and block 0 is entirely NaN, so code that maps masked
+    positions to block 0 and then lets the values through is caught too. Block-table entries past
+    a row's length are garbage: block 0, ``-1`` or an id past the end of the cache.
     """
 
     def __init__(self, lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=2):
@@ -31,12 +32,12 @@ class PagedKV:
         needed = [cdiv(n, block_size) for n in lens]
         max_blocks = max(needed + [1]) + 1
         num_blocks = sum(needed) + spare_blocks + 1
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        self.poison_block = perm.pop()
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
-        tables = torch.full((len(lens), max_blocks), self.poison_block, dtype=torch.int32)
+        garbage = torch.tensor([0, -1, num_blocks + 1000], dtype=torch.int32)
+        tables = garbage[torch.randint(0, 3, (len(lens), max_blocks), generator=gen)]
         for i, n in enumerate(lens):
             for j in range(needed[i]):
                 tables[i, j] = perm.pop()

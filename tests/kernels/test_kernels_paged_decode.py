@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_testing import ATOL, DEVICE, DTYPES, PagedKV, assert_close, default_scale, naive_attention
+from kernel_testing import ATOL, DEVICE, DTYPES, INTERPRET, PagedKV, assert_close, default_scale, naive_attention
 
 from kernels.paged_decode import (
     alloc_decode_workspace,
@@ -135,9 +135,36 @@ def test_decode_rejects_bad_inputs(fn):
             fn(**{**base, **override})
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or not __import__("kernel_testing").INTERPRET, reason="CPU-only check")
+@pytest.mark.skipif(DEVICE != "cpu" or not INTERPRET, reason="checks the CPU/interpreter guard")
 def test_decode_cpu_without_interpreter_raises(monkeypatch):
     kv, query, context_lens = _setup([5], 16, 1, 16, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="reference"):
         paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, 1.0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_decode_cuda_graph_replay_follows_new_inputs():
+    """Capture once with static buffers, then change lengths/queries and replay (engine usage)."""
+    head_dim, group, num_splits, dtype = 64, 4, 4, torch.float16
+    lens_a, lens_b = [5, 100, 33, 0], [140, 1, 0, 77]
+    kv, query, _ = _setup([max(a, b) for a, b in zip(lens_a, lens_b)], 16, group, head_dim, dtype, seed=7)
+    scale = default_scale(head_dim)
+    static_q = query.clone()
+    static_ctx = torch.tensor(lens_a, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(query)
+    ws = alloc_decode_workspace(len(lens_a), query.shape[1], head_dim, num_splits, DEVICE)
+    args = (static_q, kv.k_cache, kv.v_cache, kv.block_tables, static_ctx, scale)
+
+    paged_decode_attention(*args, num_splits=num_splits, out=out, workspace=ws)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(*args, num_splits=num_splits, out=out, workspace=ws)
+    for seed, lens in enumerate((lens_a, lens_b)):
+        static_ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        static_q.copy_(torch.randn(query.shape, generator=torch.Generator().manual_seed(seed)).to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, paged_decode_attention_reference(*args), ATOL[dtype], f"graph replay lens={lens}")

@@ -1,0 +1,82 @@
+"""`python -m omni_backend.serve`: run tritonserver on the rendered model repository until Ctrl-C/SIGTERM.
+
+Started by `scripts/serve.sh` after setup. Ports come from flags, else `OMNI_HTTP_PORT`, `OMNI_GRPC_PORT`,
+`OMNI_METRICS_PORT`, else 8000/8001/8002.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from omni_backend import paths
+from omni_backend.triton_server import TritonServer, TritonServerError
+
+USAGE = """\
+omni_chat is ready. Try:
+
+  curl -s -X POST localhost:{http}/v2/models/omni_chat/generate \\
+    -d '{{"text_input": "What is the capital of France?", "max_tokens": 32, "temperature": 0}}'
+
+  # chat messages (the model's chat template is applied), streamed as server-sent events:
+  curl -sN -X POST localhost:{http}/v2/models/omni_chat/generate_stream \\
+    -d '{{"text_input": "[{{\\"role\\": \\"user\\", \\"content\\": \\"Tell me a joke.\\"}}]", "max_tokens": 64, "stream": true}}'
+
+  gRPC streaming: localhost:{grpc} (tritonclient.grpc start_stream / async_stream_infer)
+  metrics:        http://localhost:{metrics}/metrics
+Ctrl-C stops the server."""
+
+
+def _port(value: str | None, default: int) -> int:
+    return int(value) if value else default
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the server, print how to call it, wait for a signal, stop it. Returns the exit code."""
+    parser = argparse.ArgumentParser(prog="scripts/serve.sh", description="Serve omni_chat with tritonserver.")
+    parser.add_argument("--http-port", type=int, default=_port(os.environ.get("OMNI_HTTP_PORT"), 8000))
+    parser.add_argument("--grpc-port", type=int, default=_port(os.environ.get("OMNI_GRPC_PORT"), 8001))
+    parser.add_argument("--metrics-port", type=int, default=_port(os.environ.get("OMNI_METRICS_PORT"), 8002))
+    parser.add_argument("--model-repository", default=str(paths.rendered_repository_dir()))
+    parser.add_argument("--exit-timeout-secs", type=int, default=int(os.environ.get("OMNI_EXIT_TIMEOUT_SECS", "30")))
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for all models")
+    parser.add_argument("--log-verbose", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
+
+    server = TritonServer(
+        args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, exit_timeout_s=args.exit_timeout_secs, log_verbose=args.log_verbose,
+    )
+    started: list = []  # everything started here, stopped in reverse order
+    try:
+        print(f"[serve] starting tritonserver (HTTP {args.http_port}, gRPC {args.grpc_port}, "
+              f"metrics {args.metrics_port}) on {args.model_repository}", flush=True)
+        server.start(ready_timeout_s=args.ready_timeout)
+        started.append(server)
+        # OpenAI-compatible front door: start it here (its own port) and append it to `started`.
+        print(USAGE.format(http=args.http_port, grpc=args.grpc_port, metrics=args.metrics_port), flush=True)
+        while not stop.is_set():
+            if server.process is None or server.process.poll() is not None:
+                print("[serve] tritonserver exited", file=sys.stderr)
+                return 1
+            stop.wait(1.0)
+        print("[serve] stopping", flush=True)
+        return 0
+    except TritonServerError as exc:
+        print(f"[serve] {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for service in reversed(started):
+            service.stop()
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Fixtures for tests against a real tritonserver (client helpers: tests/chat_client.py).
+
+`triton_server` (session scope) renders the model repository with test settings into a temporary folder and
+starts one tritonserver on free ports for the whole session; tests that use it are marked `server`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from chat_client import free_ports
+
+from omni_backend import repository
+from omni_backend.triton_server import TritonServer
+
+# Small KV cache: enough for the tests' concurrency, light on a 2-core CI machine.
+TEST_SETTINGS = {"kv_cache_bytes": 64 * 1024 * 1024, "max_num_seqs": 16}
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory) -> TritonServer:
+    """One tritonserver for the session: every model of model_repository/, rendered with TEST_SETTINGS."""
+    root = tmp_path_factory.mktemp("triton")
+    model_repository = root / "model_repository"
+    repository.render_repository(model_repository, **TEST_SETTINGS)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(
+        model_repository, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout_s=5,
+        log_file=root / "tritonserver.log",
+        env={"TRITON_INTERPRET": None},  # set by tests/kernels for this process; not for the server
+    )
+    server.start(ready_timeout_s=300)
+    yield server
+    server.stop()
+
+

@@ -1,0 +1,57 @@
+"""Rendering the model repository templates with settings (no server)."""
+
+import pytest
+
+from omni_backend import paths, repository
+from omni_backend.repository import Settings, render_config, render_repository
+
+
+def test_defaults_are_absolute_and_documented_values():
+    settings = Settings.load(environ={})
+    assert settings.llm_model_path == str(paths.models_dir() / "SmolLM2-135M-Instruct")
+    assert settings.llm_model_path.startswith("/")
+    assert (settings.max_model_len, settings.max_num_seqs, settings.block_size) == (2048, 32, 16)
+    assert settings.kv_cache_bytes == 512 * 1024 * 1024
+    assert (settings.dtype, settings.attention_backend) == ("auto", "auto")
+
+
+def test_environment_then_overrides():
+    settings = Settings.load({"max_num_seqs": 4}, environ={"OMNI_MAX_MODEL_LEN": "512", "OMNI_MAX_NUM_SEQS": "8"})
+    assert (settings.max_model_len, settings.max_num_seqs) == (512, 4)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"max_model_length": 5}, "unknown repository setting"),
+    ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+    ({"kv_cache_bytes": "lots"}, "kv_cache_bytes must be an integer"),
+])
+def test_bad_settings_are_rejected(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Settings.load(overrides, environ={})
+
+
+def test_render_config_substitutes_and_escapes():
+    settings = Settings.load({"llm_model_path": '/models/a "quoted" dir'}, environ={})
+    text = render_config('# ${...} is left alone\nvalue: "${llm_model_path}" n: ${max_model_len}', settings)
+    assert text == '# ${...} is left alone\nvalue: "/models/a \\"quoted\\" dir" n: 2048'
+    with pytest.raises(ValueError, match=r"x.pbtxt: unknown placeholder \$\{nope\}"):
+        render_config("${nope}", settings, "x.pbtxt")
+
+
+def test_render_repository(tmp_path):
+    out = tmp_path / "repo"
+    assert render_repository(out, kv_cache_bytes=1 << 20)
+    names = repository.model_names()
+    assert {"preprocess", "llm", "postprocess", "omni_chat"} <= set(names)
+    for name in names:
+        config = (out / name / "config.pbtxt").read_text()
+        assert "${" not in config.replace("${...}", "")
+        assert (out / name / "1").is_dir()
+    assert (out / "preprocess" / "1" / "model.py").read_text() == (
+        paths.MODEL_REPOSITORY_TEMPLATES / "preprocess" / "1" / "model.py").read_text()
+    assert '"1048576"' in (out / "llm" / "config.pbtxt").read_text()
+    assert not render_repository(out, kv_cache_bytes=1 << 20)  # unchanged: left alone
+    assert render_repository(out, models=["preprocess"])  # a subset replaces the folder
+    assert sorted(p.name for p in out.iterdir()) == ["preprocess"]
+    with pytest.raises(ValueError, match="no such model"):
+        render_repository(out, models=["nope"])

@@ -33,13 +33,16 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
 
 
 def check_int_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
-    """Raise ValueError unless ``t`` has exactly ``dtype``, ``shape`` (None = any size) and ``device``."""
+    """Raise ValueError unless ``t`` has exactly ``dtype``, ``shape`` (None = any size) and ``device``,
+    and unit stride in its last dimension (kernels index rows as ``ptr + i``)."""
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
         raise ValueError(f"{name} must have shape {shape} (None = any), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
 
 
 def check_launchable(*tensors: torch.Tensor) -> None:

@@ -73,19 +73,31 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(1, min(want, cap))
 
 
-def _block_n(head_dim: int) -> int:
-    return 64 if head_dim <= 128 else 32
+def _launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_D, BLOCK_N, num_warps, num_stages)`` for kernel 1.
+
+    Chosen so that sm_90 cubins compiled ahead of time (triton.compile for GPUTarget("cuda", 90),
+    resources read with cuobjdump --dump-resource-usage) use <= 255 registers with no spills for
+    group sizes up to 16 at head_dim 64/128/256. fp32 (exact "ieee" dot) needs smaller KV tiles.
+    Not tuned on hardware.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        block_n = 32 if block_d <= 128 else 16
+    else:
+        block_n = 64 if block_d <= 128 else (32 if block_d <= 256 else 16)
+    num_warps = 8 if block_d >= 128 else 4
+    num_stages = 2 if dtype == torch.float32 else 3
+    return block_d, block_n, num_warps, num_stages
 
 
-def _num_stages(dtype: torch.dtype) -> int:
-    # fp32 K/V tiles are twice as large: two pipeline stages keep shared memory within ~100 KB
-    # (sm80 has 164 KB per SM); half-precision keeps Triton's usual three.
-    return 2 if dtype == torch.float32 else 3
+def tokens_per_split(max_context: int, num_splits: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Partition length in tokens: ``ceil(max_context / num_splits)`` rounded up to the KV tile.
 
-
-def tokens_per_split(max_context: int, num_splits: int, head_dim: int) -> int:
-    """Partition length in tokens: ``ceil(max_context / num_splits)`` rounded up to the KV tile."""
-    block_n = _block_n(head_dim)
+    Depends only on shapes, ``num_splits`` and dtype, so a captured launch stays valid for any
+    ``context_lens`` values.
+    """
+    block_n = _launch_config(head_dim, dtype)[1]
     return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
 
 
@@ -293,8 +305,8 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if batch == 0:
         return out
-    tps = tokens_per_split(max_context, num_splits, head_dim)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    tps = tokens_per_split(max_context, num_splits, head_dim, query.dtype)
+    block_d, block_n, num_warps, num_stages = _launch_config(head_dim, query.dtype)
     direct = num_splits == 1
     if direct:
         m = l = acc = out  # unused placeholders
@@ -318,11 +330,12 @@ def paged_decode_attention(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
-        BLOCK_N=_block_n(head_dim),
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         IEEE_DOT=query.dtype == torch.float32,
         DIRECT_OUT=direct,
-        num_stages=_num_stages(query.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](

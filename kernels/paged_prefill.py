@@ -22,7 +22,23 @@ import triton.language as tl
 from kernels._paged import check_int_tensor, check_kv_cache, check_launchable, gather_kv
 
 LOG2E = 1.4426950408889634
-_BLOCK_M = 64  # query tokens per program
+
+
+def _launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_D, BLOCK_M, BLOCK_N, num_warps, num_stages)``.
+
+    Chosen so that sm_90 cubins compiled ahead of time (triton.compile for GPUTarget("cuda", 90),
+    cuobjdump --dump-resource-usage) have no register spills at head_dim 64/128/256; fp32 (exact
+    "ieee" dot) needs smaller tiles. Not tuned on hardware.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        block_m, block_n = (32, 16) if block_d <= 128 else (16, 16)
+    else:
+        block_m, block_n = (64, 32) if block_d <= 128 else (32, 16)
+    num_warps = 8 if block_d >= 64 else 4
+    num_stages = 2 if dtype == torch.float32 else 3
+    return block_d, block_m, block_n, num_warps, num_stages
 
 
 @triton.jit
@@ -178,9 +194,8 @@ def paged_prefill_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if block_d <= 64 else 32
-    grid = (num_tokens // _BLOCK_M + num_seqs, num_q_heads)
+    block_d, block_m, block_n, num_warps, num_stages = _launch_config(head_dim, query.dtype)
+    grid = (num_tokens // block_m + num_seqs, num_q_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         scale * LOG2E,
@@ -190,11 +205,12 @@ def paged_prefill_attention(
         num_seqs, head_dim,
         GROUP=num_q_heads // num_kv_heads,
         BLOCK_SIZE=block_size,
-        BLOCK_M=_BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         IEEE_DOT=query.dtype == torch.float32,
-        num_stages=2 if query.dtype == torch.float32 else 3,  # fp32 tiles: bound shared memory
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

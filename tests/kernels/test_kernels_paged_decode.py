@@ -41,7 +41,7 @@ def test_decode_matches_reference_and_naive(block_size, group, dtype):
     kv, query, context_lens = _setup(lens, block_size, group, head_dim, dtype)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, default_scale(head_dim))
     max_context = kv.block_tables.shape[1] * block_size
-    assert 150 > tokens_per_split(max_context, 3, head_dim), "test must cover a multi-split sequence"
+    assert 150 > tokens_per_split(max_context, 3, head_dim, dtype), "test must cover a multi-split sequence"
 
     ref = paged_decode_attention_reference(*args)
     assert ref.dtype == dtype and ref.shape == query.shape
@@ -122,6 +122,8 @@ def test_decode_rejects_bad_inputs(fn):
         dict(block_tables=kv.block_tables.long()),
         dict(context_lens=context_lens.long()),
         dict(context_lens=context_lens[:1]),
+        dict(context_lens=torch.stack([context_lens, context_lens], 1)[:, 0]),  # strided
+        dict(block_tables=torch.stack([kv.block_tables, kv.block_tables], 2)[..., 0]),  # strided rows
         dict(query=query[:, :3]),  # 3 q heads, 2 kv heads
         dict(query=query[..., :8]),
         dict(query=query.half()),

@@ -33,7 +33,7 @@ def _naive(kv, query, q_lens, ctx_lens, scale):
 def test_prefill_matches_reference_and_naive(block_size, group, dtype):
     head_dim = 16
     # (new tokens, total context): single token; full prompt not a block multiple; chunk after a
-    # cached prefix; prompt longer than one 64-row query tile; no new tokens; one token after a prefix.
+    # cached prefix; prompt longer than one query tile (BLOCK_M <= 64); no new tokens; one token after a prefix.
     pairs = [(1, 1), (13, 13), (7, 40), (70, 70), (0, 20), (1, 37)]
     q_lens, ctx_lens = [p[0] for p in pairs], [p[1] for p in pairs]
     kv, query, starts, context_lens = _setup(q_lens, ctx_lens, block_size, group, head_dim, dtype)

@@ -19,11 +19,11 @@ USAGE = """\
 omni_chat is ready. Try:
 
   curl -s -X POST localhost:{http}/v2/models/omni_chat/generate \\
-    -d '{{"text_input": "What is the capital of France?", "max_tokens": 32, "temperature": 0}}'
+    -d '{{"text_input": "[{{\\"role\\": \\"user\\", \\"content\\": \\"What is the capital of France?\\"}}]", "max_tokens": 32, "temperature": 0}}'
 
-  # chat messages (the model's chat template is applied), streamed as server-sent events:
+  # plain text is continued as it is; "stream": true on generate_stream sends server-sent events:
   curl -sN -X POST localhost:{http}/v2/models/omni_chat/generate_stream \\
-    -d '{{"text_input": "[{{\\"role\\": \\"user\\", \\"content\\": \\"Tell me a joke.\\"}}]", "max_tokens": 64, "stream": true}}'
+    -d '{{"text_input": "Once upon a time", "max_tokens": 32, "stream": true}}'
 
   gRPC streaming: localhost:{grpc} (tritonclient.grpc start_stream / async_stream_infer)
   metrics:        http://localhost:{metrics}/metrics

@@ -1,0 +1,95 @@
+"""The llm stage's threads: concurrent requests, cancellation via is_cancelled, errors as responses."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.stages.llm import LLMService, engine_config_from_parameters
+
+
+class ListSink:
+    def __init__(self):
+        self.outputs = []
+        self.errors = []
+        self.cancelled = False
+        self.done = threading.Event()
+
+    def send(self, output):
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+    def fail(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+@pytest.fixture()
+def service(tiny_qwen2_path):
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                    max_num_seqs=8, max_model_len=512))
+    svc = LLMService(engine)
+    svc.start()
+    yield svc
+    svc.shutdown()
+
+
+def test_concurrent_streams_equal_offline_results(service, tiny_qwen2_path):
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stream=True)
+    offline = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                     max_model_len=512)).generate(prompts, params)
+    sinks = [ListSink() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        service.submit(f"r{i}", prompt, params, sink)
+    for sink, expected in zip(sinks, offline):
+        assert sink.done.wait(30)
+        assert [t for o in sink.outputs for t in o.token_ids] == expected.token_ids
+        assert "".join(o.text for o in sink.outputs) == expected.text
+        assert sink.outputs[-1].finish_reason == "length"
+        assert sum(o.finished for o in sink.outputs) == 1
+
+
+def test_cancellation_frees_blocks_and_ends_the_stream(service):
+    sink = ListSink()
+    service.submit("long", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True, stream=True), sink)
+    deadline = time.monotonic() + 10
+    while not sink.outputs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sink.cancelled = True
+    assert sink.done.wait(5)
+    assert sink.outputs[-1].finish_reason == "abort"
+    assert sink.outputs[-1].completion_tokens < 400
+    deadline = time.monotonic() + 5
+    while service.engine.runner.block_manager.num_free_blocks != 64 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.runner.block_manager.num_free_blocks == 64
+    assert service.num_active == 0
+
+
+def test_invalid_requests_raise_before_queueing_and_the_next_works(service):
+    with pytest.raises(ValueError, match="maximum context length"):
+        service.submit("too-long", [1] * 500, SamplingParams(max_tokens=100), ListSink())
+    sink = ListSink()
+    service.submit("ok", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), sink)
+    assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 3
+
+
+def test_engine_config_from_triton_parameters(tiny_qwen2_path):
+    config = engine_config_from_parameters({
+        "model_path": tiny_qwen2_path, "device": "cpu", "dtype": "float32", "block_size": "32",
+        "kv_cache_bytes": "1048576", "max_num_seqs": "4", "max_num_batched_tokens": "64",
+        "max_model_len": "256", "attention_backend": "auto"})
+    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs, config.max_model_len) == (
+        32, 1048576, 4, 256)
+    with pytest.raises(ValueError):
+        engine_config_from_parameters({"model_path": "x", "device": "cpu", "block_size": "sixteen"})

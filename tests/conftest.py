@@ -1,7 +1,9 @@
 """Fixtures for tests against a real tritonserver (client helpers: tests/chat_client.py).
 
 `triton_server` (session scope) renders the model repository with test settings into a temporary folder and
-starts one tritonserver on free ports for the whole session; tests that use it are marked `server`.
+starts one tritonserver on free ports for the whole session; `stages_server` serves only the preprocess and
+postprocess stages, so they are tested on a real server apart from the LLM. Tests using them are marked
+`server`.
 """
 
 from __future__ import annotations
@@ -16,19 +18,31 @@ from omni_backend.triton_server import TritonServer
 TEST_SETTINGS = {"kv_cache_bytes": 64 * 1024 * 1024, "max_num_seqs": 16}
 
 
-@pytest.fixture(scope="session")
-def triton_server(tmp_path_factory) -> TritonServer:
-    """One tritonserver for the session: every model of model_repository/, rendered with TEST_SETTINGS."""
+def _start_server(tmp_path_factory, models: list[str] | None) -> TritonServer:
     root = tmp_path_factory.mktemp("triton")
     model_repository = root / "model_repository"
-    repository.render_repository(model_repository, **TEST_SETTINGS)
+    repository.render_repository(model_repository, models=models, **TEST_SETTINGS)
     http, grpc, metrics = free_ports(3)
     server = TritonServer(
         model_repository, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout_s=5,
         log_file=root / "tritonserver.log",
         env={"TRITON_INTERPRET": None},  # set by tests/kernels for this process; not for the server
     )
-    server.start(ready_timeout_s=300)
+    return server.start(ready_timeout_s=300)
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory) -> TritonServer:
+    """One tritonserver for the session: every model of model_repository/, rendered with TEST_SETTINGS."""
+    server = _start_server(tmp_path_factory, None)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stages_server(tmp_path_factory) -> TritonServer:
+    """A tritonserver with only the preprocess and postprocess stages (no LLM: starts in seconds)."""
+    server = _start_server(tmp_path_factory, ["preprocess", "postprocess"])
     yield server
     server.stop()
 

@@ -40,17 +40,3 @@ def test_bad_input_over_http_generate_is_400(triton_server, name):
     values, fragment = BAD_INPUTS[name]
     status, body = http_generate(triton_server.http_url, values)
     assert status == 400 and fragment in body.get("error", ""), body
-
-
-@pytest.mark.parametrize("name", [n for n in BAD_INPUTS if n != "missing text_input"])
-def test_preprocess_answers_invalid_argument(triton_server, name):
-    """gRPC streams carry only the message; a direct (non-decoupled) call shows the status code."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    values, fragment = BAD_INPUTS[name]
-    with grpcclient.InferenceServerClient(triton_server.grpc_url) as client:
-        with pytest.raises(InferenceServerException) as excinfo:
-            client.infer("preprocess", make_inputs(values, grpcclient))
-    assert excinfo.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert fragment in excinfo.value.message()

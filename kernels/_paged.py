@@ -76,20 +76,29 @@ def gather_kv(
         max_len: Python int >= max(lengths): the padded length ``L`` of the result.
 
     Returns:
-        ``(k, v, valid)``: k, v ``[B, L, num_kv_heads, head_dim]`` in the cache dtype with zeros at
-        invalid positions (so NaN in unused cache slots never leaks), and bool ``valid [B, L]``.
-        Block-table entries of positions past ``lengths[b]`` are replaced by block 0 before use,
-        so garbage entries are never dereferenced.
+        ``(k, v, valid)``: k, v ``[B, L, num_kv_heads, head_dim]`` in the cache dtype and bool
+        ``valid [B, L]``. Padding positions (``valid`` False) repeat the row's first token, so they
+        hold finite data and a zero softmax weight keeps them out of the result; rows with
+        ``lengths[b] == 0`` read slot 0 (possibly garbage): callers must zero those rows.
+        Block-table entries past ``lengths[b]`` are never used as indices.
     """
     block_size = k_cache.shape[1]
     device = k_cache.device
+    lengths = lengths.to(device=device, dtype=torch.long)
     pos = torch.arange(max_len, device=device)
-    valid = pos[None, :] < lengths.to(device=device, dtype=torch.long)[:, None]  # [B, L]
+    valid = pos[None, :] < lengths[:, None]  # [B, L]
     block_idx = torch.where(valid, pos[None, :] // block_size, 0)
-    block_ids = torch.gather(block_tables.long(), 1, block_idx)
-    block_ids = torch.where(valid, block_ids, 0)
-    offsets = (pos % block_size)[None, :].expand_as(block_ids)
-    keep = valid[:, :, None, None]
-    k = torch.where(keep, k_cache[block_ids, offsets], 0)
-    v = torch.where(keep, v_cache[block_ids, offsets], 0)
-    return k, v, valid
+    slots = torch.gather(block_tables.long(), 1, block_idx) * block_size + pos[None, :] % block_size
+    first = torch.where(lengths > 0, block_tables[:, 0].long() * block_size, 0)
+    slots = torch.where(valid, slots, first[:, None])
+    return _take(k_cache, slots), _take(v_cache, slots), valid
+
+
+def _take(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slot // block_size, slot % block_size]`` for int64 ``slots [B, L]`` -> ``[B, L, H, D]``."""
+    num_blocks, block_size, heads, head_dim = cache.shape
+    if cache.stride(0) == block_size * cache.stride(1):  # blocks and offsets merge into one dim
+        flat = cache.view(num_blocks * block_size, heads, head_dim) if cache.is_contiguous() else \
+            cache.as_strided((num_blocks * block_size, heads, head_dim), (cache.stride(1),) + cache.stride()[2:])
+        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, heads, head_dim)
+    return cache[slots // block_size, slots % block_size]

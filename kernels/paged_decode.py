@@ -375,13 +375,12 @@ def paged_decode_attention_reference(
     else:
         k, v, valid = gather_kv(k_cache, v_cache, block_tables, context_lens, max_len)
         q = query.float().reshape(batch, num_kv_heads, group, head_dim)
-        k = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-        v = v.float().transpose(1, 2)  # [B, Hkv, L, D]
-        scores = torch.matmul(q, k) * scale  # [B, Hkv, G, L]
+        scores = torch.matmul(q, k.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        probs = torch.nan_to_num(probs, nan=0.0)  # rows with context_len 0 are all -inf
-        result = torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(query.dtype)
+        result = torch.matmul(probs, v.float().transpose(1, 2)).reshape(batch, num_q_heads, head_dim)
+        # Rows with context_len 0 (all -inf -> NaN softmax, garbage V) are defined as zeros.
+        result = torch.where((context_lens > 0)[:, None, None], result, 0.0).to(query.dtype)
     if out is None:
         return result
     out.copy_(result)

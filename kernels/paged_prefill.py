@@ -249,13 +249,11 @@ def paged_prefill_attention_reference(
             raise ValueError(f"sequence {s}: {q_len} new tokens but context_lens is {ctx}")
         k, v, _ = gather_kv(k_cache, v_cache, block_tables[s : s + 1], context_lens[s : s + 1], ctx)
         q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        k = k[0].float().permute(1, 2, 0)  # [Hkv, D, ctx]
-        v = v[0].float().transpose(0, 1)  # [Hkv, ctx, D]
-        scores = torch.matmul(q, k[:, None]) * scale  # [Hkv, G, q_len, ctx]
+        scores = torch.matmul(q, k[0].float().permute(1, 2, 0)[:, None]) * scale  # [Hkv, G, q_len, ctx]
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
         k_pos = torch.arange(ctx, device=query.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, v[:, None])  # [Hkv, G, q_len, D]
+        o = torch.matmul(probs, v[0].float().transpose(0, 1)[:, None])  # [Hkv, G, q_len, D]
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(query.dtype)
     return out

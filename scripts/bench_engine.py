@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Engine throughput benchmark: HF transformers peers vs our engine offline and through Triton, in one run.
+
+Workload (issue 3): 64 requests, prompts of 32-256 random tokens (seeded), 128 new tokens each (EOS ignored
+so every peer does the same work), SmolLM2-135M-Instruct. Peers:
+  (a) HF `generate`, one request at a time (measured on the first --hf-single-requests requests: its rate
+      does not depend on how many are run, and all 64 would take minutes),
+  (b) HF `generate` in static batches of 8 (left-padded),
+  (c) our engine offline (`LLMEngine.generate`, all requests at once),
+  (d) our engine through tritonserver: the `llm` model over gRPC streaming at concurrency 32.
+All peers use the same dtype (--dtype, default: what the engine picks for this device). Output tok/s =
+generated tokens / wall seconds including prefill. Writes benchmarks/results/engine.json and engine.png.
+
+Usage: .venv/bin/python scripts/bench_engine.py [--requests 64] [--new-tokens 128] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omni_backend import paths, repository
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.ops.hardware import select_dtype
+from omni_backend.triton_server import TritonServer
+
+MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
+RESULTS = paths.PROJECT_ROOT / "benchmarks" / "results"
+
+
+def make_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(32, 257, (count,), generator=g).tolist()
+    return [torch.randint(100, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def bench_hf(prompts, new_tokens, batch_size, dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype).eval()
+    pad = model.generation_config.pad_token_id or 0
+    generated = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+            generated += (out.shape[1] - width) * len(chunk)
+    seconds = time.perf_counter() - start
+    return {"requests": len(prompts), "generated_tokens": generated, "seconds": seconds,
+            "output_tok_s": generated / seconds}
+
+
+def bench_engine_offline(prompts, new_tokens, dtype_name) -> dict:
+    engine = LLMEngine(EngineConfig(model_path=str(MODEL), dtype=dtype_name, max_num_seqs=32,
+                                    kv_cache_bytes=512 << 20))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    generated = sum(o.completion_tokens for o in outputs)
+    return {"requests": len(prompts), "generated_tokens": generated, "seconds": seconds,
+            "output_tok_s": generated / seconds, "steps": engine.num_steps,
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def _free_ports(n):
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _stream_one(client_module, url, prompt, params_json, timings: dict) -> int:
+    """Send one request to `llm` over a gRPC stream; returns generated tokens, records TTFT and end (s)."""
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    client = client_module.InferenceServerClient(url)
+    first = []
+    start = time.perf_counter()
+
+    def callback(result, error):
+        if error is not None:
+            done.put(("error", str(error)))
+            return
+        now = time.perf_counter()
+        if not first:
+            first.append(now)
+        if result.as_numpy("finish_reason").reshape(-1)[0]:
+            done.put(("ok", int(result.as_numpy("completion_tokens").reshape(-1)[0])))
+
+    ids = client_module.InferInput("input_ids", [len(prompt)], "INT32")
+    ids.set_data_from_numpy(np.array(prompt, dtype=np.int32))
+    sp = client_module.InferInput("sampling_params", [1], "BYTES")
+    sp.set_data_from_numpy(np.array([params_json.encode()], dtype=np.object_))
+    client.start_stream(callback=callback)
+    client.async_stream_infer("llm", [ids, sp])
+    kind, value = done.get(timeout=900)
+    end = time.perf_counter()
+    client.stop_stream()
+    client.close()
+    if kind == "error":
+        raise RuntimeError(value)
+    timings.setdefault("ttft_s", []).append(first[0] - start)
+    timings.setdefault("e2e_s", []).append(end - start)
+    return value
+
+
+def bench_triton(prompts, new_tokens, concurrency, dtype_name) -> dict:
+    import tritonclient.grpc as grpcclient
+    root = paths.cache_dir() / "bench_engine"
+    repo = root / "model_repository"
+    repository.render_repository(repo, models=["llm"], dtype=dtype_name, max_num_seqs=concurrency,
+                                 kv_cache_bytes=512 << 20)
+    http, grpc, metrics = _free_ports(3)
+    params_json = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, stream=True).to_json()
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout_s=5,
+                      log_file=root / "tritonserver.log") as server:
+        url = f"127.0.0.1:{grpc}"
+        _stream_one(grpcclient, url, prompts[0][:8], SamplingParams(max_tokens=4).to_json(), {})  # warm-up
+        work: queue.SimpleQueue = queue.SimpleQueue()
+        for p in prompts:
+            work.put(p)
+        timings: dict = {}
+        totals = []
+        errors = []
+
+        def worker():
+            while True:
+                try:
+                    prompt = work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    totals.append(_stream_one(grpcclient, url, prompt, params_json, timings))
+                except Exception as exc:  # recorded and reported, never hidden
+                    errors.append(str(exc))
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
+    generated = sum(totals)
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    return {"requests": len(prompts), "completed": len(totals), "errors": errors, "generated_tokens": generated,
+            "seconds": seconds, "output_tok_s": generated / seconds, "concurrency": concurrency,
+            "ttft_p50_s": pct(timings.get("ttft_s", []), 50), "ttft_p95_s": pct(timings.get("ttft_s", []), 95),
+            "e2e_p50_s": pct(timings.get("e2e_s", []), 50)}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = {"hf_single": "(a) HF one at a time", "hf_batch8": "(b) HF static batch 8",
+              "engine_offline": "(c) engine offline", "engine_triton": "(d) engine via Triton c=32"}
+    names = [k for k in labels if k in results["peers"]]
+    values = [results["peers"][k]["output_tok_s"] for k in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.barh([labels[k] for k in names], values, color=["#999", "#999", "#2a7", "#27a"][:len(names)])
+    ax.bar_label(bars, fmt="%.0f tok/s")
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.set_title(f"SmolLM2-135M, {results['workload']['requests']} req x {results['workload']['new_tokens']} "
+                 f"tokens, {results['dtype']}, {results['machine']}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--hf-single-requests", type=int, default=8)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["hf_single", "hf_batch8", "engine_offline",
+                                                                  "engine_triton"])
+    args = parser.parse_args()
+    dtype = select_dtype(args.dtype, torch.device("cpu"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    from transformers import AutoConfig
+    prompts = make_prompts(args.requests, AutoConfig.from_pretrained(MODEL).vocab_size)
+    results = {"workload": {"requests": args.requests, "new_tokens": args.new_tokens,
+                            "prompt_tokens": sum(map(len, prompts))},
+               "dtype": dtype_name, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+               "torch_threads": torch.get_num_threads(), "peers": {}}
+    peers = {
+        "hf_single": lambda: bench_hf(prompts[:args.hf_single_requests], args.new_tokens, 1, dtype),
+        "hf_batch8": lambda: bench_hf(prompts, args.new_tokens, 8, dtype),
+        "engine_offline": lambda: bench_engine_offline(prompts, args.new_tokens, dtype_name),
+        "engine_triton": lambda: bench_triton(prompts, args.new_tokens, args.concurrency, dtype_name),
+    }
+    for name, run in peers.items():
+        if name in args.skip:
+            continue
+        print(f"running {name} ...", flush=True)
+        results["peers"][name] = run()
+        print(f"  {name}: {results['peers'][name]['output_tok_s']:.1f} tok/s "
+              f"({results['peers'][name]['seconds']:.1f} s)", flush=True)
+    p = results["peers"]
+    ratios = {}
+    for num, den in (("engine_triton", "hf_single"), ("engine_triton", "hf_batch8"),
+                     ("engine_triton", "engine_offline"), ("engine_offline", "hf_single")):
+        if num in p and den in p:
+            ratios[f"{num}/{den}"] = p[num]["output_tok_s"] / p[den]["output_tok_s"]
+    results["ratios"] = ratios
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}x")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, RESULTS / "engine.png")
+    print(f"wrote {RESULTS / 'engine.json'} and engine.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -175,10 +175,14 @@ class LLMService:
                 self.abort(request_id)
 
     def _poll_cancellations(self) -> None:
+        """Abort cancelled requests. Triton closes a cancelled stream itself (it sends the final flag once
+        `is_cancelled` has returned True), so the sink is dropped and nothing more is sent on it."""
         with self._sinks_lock:
             sinks = list(self._sinks.items())
         for request_id, sink in sinks:
             if sink.is_cancelled():
+                with self._sinks_lock:
+                    self._sinks.pop(request_id, None)
                 self.abort(request_id)
 
     def shutdown(self) -> None:

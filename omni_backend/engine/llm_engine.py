@@ -14,7 +14,7 @@ from omni_backend.engine.detokenizer import IncrementalDetokenizer
 from omni_backend.engine.model_runner import ModelRunner
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.scheduler import Scheduler
-from omni_backend.engine.sequence import Sequence
+from omni_backend.engine.sequence import PromptEmbeds, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ class LLMEngine:
         if total > cache_tokens:
             raise ValueError(f"request needs {total} tokens of KV cache, the whole cache holds {cache_tokens}")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request.
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt_embeds: PromptEmbeds | None = None) -> None:
+        """Queue a request; `prompt_embeds` replaces the token embeddings at given prompt positions.
 
         Raises:
             ValueError: duplicate id, empty prompt, or a request that can never fit.
@@ -121,7 +122,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.validate_request(len(prompt_token_ids), params)
-        seq = Sequence(request_id, prompt_token_ids, params, time.monotonic())
+        seq = Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds)
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         self.requests[request_id] = _RequestState(seq, detok)

@@ -105,12 +105,18 @@ class ModelRunner:
         rows: list[int] = []
         context_lens: list[int] = []
         query_start = [0]
+        embed_rows: list[torch.Tensor] = []  # flattened token index of each replaced embedding
+        embed_values: list[torch.Tensor] = []
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
         bm = self.block_manager
         for seq, count in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             end = start + count
+            if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
+                offsets, values = seq.prompt_embeds.in_range(start, end)
+                embed_rows.append(offsets + len(token_ids))
+                embed_values.append(values)
             token_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(bm.slot(seq, p) for p in range(start, end))
@@ -132,7 +138,7 @@ class ModelRunner:
         num_prefill_tokens = query_start[p]
 
         hidden = None
-        if p == 0 and self.graph_runner is not None:
+        if p == 0 and self.graph_runner is not None:  # decodes only: no prompt embeddings
             hidden = self.graph_runner.run(ids_t, pos_t, slots_t, ctx_t, tables)
         if hidden is None:
             self.num_eager_steps += 1
@@ -145,7 +151,12 @@ class ModelRunner:
                 decode_context_lens=ctx_t[p:] if p < len(rows) else None,
                 decode_block_tables=tables[p:] if p < len(rows) else None,
             )
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            embeds = None
+            if embed_rows:
+                embeds = self.model.embed_tokens(ids_t)
+                rows_idx = torch.cat(embed_rows).to(device)
+                embeds[rows_idx] = torch.cat(embed_values).to(device=device, dtype=embeds.dtype)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, input_embeds=embeds)
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += count
         if not sampled:

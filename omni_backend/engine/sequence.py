@@ -15,6 +15,33 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PromptEmbeds:
+    """Embeddings that replace the token embeddings at some prompt positions (encoder outputs for image or
+    audio placeholder tokens).
+
+    Args:
+        positions: int64 [k], distinct prompt positions (0-based).
+        embeds: [k, hidden_size] float tensor, one row per position (cast to the model dtype when used).
+    """
+
+    def __init__(self, positions: torch.Tensor, embeds: torch.Tensor):
+        self.positions = positions.to(torch.int64).reshape(-1)
+        self.embeds = embeds
+
+    def check(self, num_prompt_tokens: int) -> None:
+        """Raises ValueError when shapes disagree or a position is outside the prompt."""
+        if self.embeds.dim() != 2 or self.embeds.shape[0] != self.positions.numel():
+            raise ValueError(f"prompt embeds must be [{self.positions.numel()}, hidden], "
+                             f"got {tuple(self.embeds.shape)}")
+        if self.positions.numel() and (self.positions.min() < 0 or self.positions.max() >= num_prompt_tokens):
+            raise ValueError(f"prompt embed positions must lie in [0, {num_prompt_tokens})")
+
+    def in_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions - start, embeds) for positions in [start, end)."""
+        keep = (self.positions >= start) & (self.positions < end)
+        return self.positions[keep] - start, self.embeds[keep]
+
+
 class Sequence:
     """A request inside the engine.
 
@@ -28,9 +55,13 @@ class Sequence:
         generator: per-request RNG when a seed is given (same seed + prompt -> same tokens).
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
+                 prompt_embeds: "PromptEmbeds | None" = None):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if prompt_embeds is not None:
+            prompt_embeds.check(len(prompt_token_ids))
+        self.prompt_embeds = prompt_embeds
         self.request_id = request_id
         self.params = params
         self.arrival = arrival

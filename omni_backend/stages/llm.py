@@ -18,6 +18,7 @@ import torch
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.sequence import PromptEmbeds
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +90,22 @@ class LLMService:
             return len(self._sinks)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: ResponseSink) -> None:
+               sink: ResponseSink, prompt_embeds: PromptEmbeds | None = None) -> None:
         """Accept a request; outputs go to `sink` from the response thread.
+
+        `prompt_embeds` (encoder outputs for placeholder positions) replaces those tokens' embeddings.
 
         Raises:
             ValueError: the request can never be served (length limits); nothing was queued.
         """
         self.engine.validate_request(len(prompt_token_ids), params)
+        if prompt_embeds is not None:
+            prompt_embeds.check(len(prompt_token_ids))
         with self._sinks_lock:
             if request_id in self._sinks:
                 raise ValueError(f"duplicate request id {request_id}")
             self._sinks[request_id] = sink
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._inbox.put(("add", request_id, (prompt_token_ids, prompt_embeds), params))
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
@@ -130,12 +135,12 @@ class LLMService:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, request_id, prompt, params = self._inbox.get_nowait()
+                kind, request_id, prompt, params = self._inbox.get_nowait()  # prompt: (ids, embeds) for "add"
             except queue.Empty:
                 return
             if kind == "add":
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt[0], params, prompt_embeds=prompt[1])
                 except (ValueError, OverflowError) as exc:
                     self._outbox.put((request_id, str(exc)))
             else:

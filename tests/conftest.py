@@ -8,11 +8,20 @@ postprocess stages, so they are tested on a real server apart from the LLM. Test
 
 from __future__ import annotations
 
-import pytest
-from chat_client import free_ports
+import os
 
-from omni_backend import repository
-from omni_backend.triton_server import TritonServer
+import torch
+
+# OpenAI-Triton picks its interpreter when a kernel is decorated, i.e. when `kernels` is first imported, which
+# engine tests do before tests/kernels is collected: decide it here, for the whole test process.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from chat_client import free_ports  # noqa: E402
+
+from omni_backend import repository  # noqa: E402
+from omni_backend.triton_server import TritonServer  # noqa: E402
 
 # Small KV cache: enough for the tests' concurrency, light on a 2-core CI machine.
 TEST_SETTINGS = {"kv_cache_bytes": 64 * 1024 * 1024, "max_num_seqs": 16}

@@ -15,9 +15,14 @@ Input tensors (Triton names; all shape [1] except `stop_words` [-1]):
     repetition_penalty, presence_penalty, frequency_penalty   FP32
     ignore_eos          BOOL
     logprobs            INT32   number of top alternatives per token (absent: no logprobs)
+    prompt_token_ids    INT32 [-1]  a prompt given as token ids (the OpenAI front door's completions with
+                                    token-id prompts); when present it is used as it is and `text_input`
+                                    is ignored (send "")
 
 Output tensors: `input_ids` INT32 [n_prompt_tokens], `sampling_params` STRING [1] (JSON of
-`omni_backend.engine.sampling_params.SamplingParams`).
+`omni_backend.engine.sampling_params.SamplingParams`), `prompt_text` STRING [1] (the prompt as text: a plain
+`text_input` as it is, else the decoded ids, i.e. the rendered chat template or the token-id prompt; the front
+door echoes it; the ensemble does not use it).
 
 Every bad input raises `ValueError` with a message naming the tensor; the Triton model turns it into an
 INVALID_ARG error response.
@@ -46,8 +51,8 @@ SAMPLING_INPUTS = {
     "ignore_eos": ("ignore_eos", bool),
     "logprobs": ("logprobs", int),
 }
-INPUT_NAMES = ("text_input", "max_tokens", "stop_words", *SAMPLING_INPUTS)
-OUTPUT_NAMES = ("input_ids", "sampling_params")
+INPUT_NAMES = ("text_input", "max_tokens", "stop_words", *SAMPLING_INPUTS, "prompt_token_ids")
+OUTPUT_NAMES = ("input_ids", "sampling_params", "prompt_text")
 _FIELD_TO_TENSOR = {field: name for name, (field, _) in SAMPLING_INPUTS.items() if field != name} | {
     "stop": "stop_words"
 }
@@ -138,6 +143,22 @@ class Preprocessor:
             raise ValueError("text_input is empty after tokenization")
         return ids
 
+    def check_token_ids(self, array) -> list[int]:
+        """A prompt given as token ids, checked against the vocabulary.
+
+        Raises:
+            ValueError: no ids, or an id outside the vocabulary (the message names its position).
+        """
+        ids = [int(i) for i in np.asarray(array).reshape(-1)]
+        if not ids:
+            raise ValueError("prompt_token_ids is empty")
+        vocab_size = len(self.tokenizer)
+        for index, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"prompt_token_ids[{index}] = {token_id} is not a token id "
+                                 f"(vocabulary size {vocab_size})")
+        return ids
+
     def sampling_params(self, arrays: dict) -> SamplingParams:
         """Validated sampling parameters from the request's tensors (see module docstring).
 
@@ -160,7 +181,8 @@ class Preprocessor:
             raise ValueError(_tensor_names(str(exc))) from None
 
     def run(self, arrays: dict) -> dict[str, np.ndarray]:
-        """One request: input arrays by tensor name -> {"input_ids": int32 [n], "sampling_params": object [1]}.
+        """One request: input arrays by tensor name -> {"input_ids": int32 [n], "sampling_params": object [1],
+        "prompt_text": object [1]}.
 
         Raises:
             ValueError: any bad input; the message names the tensor and the problem.
@@ -169,7 +191,12 @@ class Preprocessor:
         if text is None:
             raise ValueError("text_input is required")
         params = self.sampling_params(arrays)
-        ids = self.tokenize(text)
+        if arrays.get("prompt_token_ids") is not None:
+            ids = self.check_token_ids(arrays["prompt_token_ids"])
+            prompt_text = self.tokenizer.decode(ids)
+        else:
+            ids = self.tokenize(text)
+            prompt_text = self.tokenizer.decode(ids) if text.lstrip().startswith("[") else text
         requested = len(ids) + params.max_tokens
         if requested > self.max_model_len:
             raise ValueError(
@@ -179,6 +206,7 @@ class Preprocessor:
         return {
             "input_ids": np.asarray(ids, dtype=np.int32),
             "sampling_params": string_tensor(params.to_json()),
+            "prompt_text": string_tensor(prompt_text),
         }
 
 

@@ -14,8 +14,9 @@ from omni_backend.engine.llm_engine import LLMEngine
 class _Sink:
     """Sends one request's outputs through its Triton response sender."""
 
-    def __init__(self, sender):
+    def __init__(self, sender, passthrough=None):
         self.sender = sender
+        self.passthrough = passthrough  # the optional `passthrough` input, echoed in every response
 
     def send(self, output):
         logprobs = ""
@@ -30,10 +31,14 @@ class _Sink:
             pb_utils.Tensor("completion_tokens", np.array([output.completion_tokens], dtype=np.int32)),
             pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
         ]
+        if self.passthrough is not None:
+            tensors.append(pb_utils.Tensor("passthrough", self.passthrough))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
-    def fail(self, message, code=pb_utils.TritonError.INVALID_ARG):
+    def fail(self, message, code=None):
+        # pb_utils gets TritonError etc. from the stub only after this module is imported: no default argument
+        code = pb_utils.TritonError.INVALID_ARG if code is None else code
         self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
                          flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
@@ -50,7 +55,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = _Sink(request.get_response_sender())
+            passthrough = pb_utils.get_input_tensor_by_name(request, "passthrough")
+            sink = _Sink(request.get_response_sender(), None if passthrough is None else passthrough.as_numpy())
             try:
                 ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
                 text = pb_utils.get_input_tensor_by_name(request, "sampling_params").as_numpy().reshape(-1)[0]

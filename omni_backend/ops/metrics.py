@@ -1,0 +1,207 @@
+"""Prometheus metrics of the llm stage through Triton's custom metrics (`pb_utils.MetricFamily`).
+
+Every metric call is an IPC round trip from the stub to the server, so none happens on the engine loop: the
+loop and the response thread only append plain records, and `LLMService`'s metrics thread calls
+`LLMMetrics.publish` about once a second with an `LLMStats` snapshot. Families (labels `model`, `version`):
+
+    omni_time_to_first_token_seconds    histogram  llm arrival -> first token sampled
+    omni_inter_token_latency_seconds    histogram  per request: (e2e - TTFT) / (completion tokens - 1)
+    omni_e2e_request_latency_seconds    histogram  llm arrival -> final response sent
+    omni_queue_time_seconds             histogram  llm arrival -> first scheduled (the llm stage's queue;
+                                                   Triton's nv_inference_queue_duration_us covers the
+                                                   other stages)
+    omni_prompt_tokens_total            counter    prompt tokens of finished requests
+    omni_generation_tokens_total        counter    completion tokens sent (the clients' completion_tokens)
+    omni_requests_running / _waiting    gauge      engine's running list / waiting queue
+    omni_kv_cache_blocks_used / _total  gauge      paged KV cache blocks
+    omni_preemptions_total              counter    recompute preemptions
+    omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
+    omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
+    omni_attention_backend{backend}     gauge      1 for the attention backend in use
+    omni_governor_state                 gauge      0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting
+    omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
+    omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz
+                                        gauge      last NVML reading (0 while the governor is disabled)
+
+ITL is one observation per request (the mean gap between its tokens, genai-perf's definition) rather than
+one per token, which would cost an IPC call per token.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
+ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0]
+
+
+@dataclass
+class FinishedRequest:
+    """Timings (s) and token counts of one finished request; None where it never got that far."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    e2e_s: float
+    ttft_s: float | None
+    queue_s: float | None
+
+
+@dataclass
+class LLMStats:
+    """A snapshot of the llm stage; counters are cumulative since start."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    preemptions: int = 0
+    graph_replays: int = 0
+    graph_padded_rows: int = 0
+    eager_steps: int = 0
+    governor_state: int = 0
+    num_seqs_limit: int = 0
+    power_w: float = 0.0
+    temperature_c: float = 0.0
+    sm_clock_mhz: float = 0.0
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+class LLMMetrics:
+    """Creates the families once and publishes snapshots.
+
+    Args:
+        pb_utils: `triton_python_backend_utils` (or a stand-in with its MetricFamily API).
+        model, version: label values (Triton's own metrics use the same label names).
+        attention_backend: name for the `omni_attention_backend` gauge.
+    """
+
+    def __init__(self, pb_utils, model: str, version: str, attention_backend: str):
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "version": str(version)}
+        self._families = []  # a MetricFamily must outlive its metrics
+
+        def metric(name, description, kind, buckets=None, **extra):
+            fam = family(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            if buckets is None:
+                return fam.Metric(labels={**labels, **extra})
+            return fam.Metric(labels={**labels, **extra}, buckets=buckets)
+
+        H, C, G = family.HISTOGRAM, family.COUNTER, family.GAUGE
+        self.ttft = metric("omni_time_to_first_token_seconds", "Time to first token (s)", H, TTFT_BUCKETS)
+        self.itl = metric("omni_inter_token_latency_seconds", "Mean time between tokens per request (s)", H,
+                          ITL_BUCKETS)
+        self.e2e = metric("omni_e2e_request_latency_seconds", "Request latency, arrival to last response (s)", H,
+                          E2E_BUCKETS)
+        self.queue = metric("omni_queue_time_seconds", "Time a request waited before its first step (s)", H,
+                            QUEUE_BUCKETS)
+        self.prompt_tokens = metric("omni_prompt_tokens_total", "Prompt tokens of finished requests", C)
+        self.generation_tokens = metric("omni_generation_tokens_total", "Generated tokens sent", C)
+        self.running = metric("omni_requests_running", "Requests in the running batch", G)
+        self.waiting = metric("omni_requests_waiting", "Requests waiting to be scheduled", G)
+        self.kv_used = metric("omni_kv_cache_blocks_used", "KV cache blocks in use", G)
+        self.kv_total = metric("omni_kv_cache_blocks_total", "KV cache blocks", G)
+        self.preemptions = metric("omni_preemptions_total", "Sequences preempted (recompute)", C)
+        steps = pb_utils.MetricFamily(name="omni_engine_steps_total", kind=C,
+                                      description="Engine steps by how the model ran (CUDA-graph replay or eager)")
+        self._families.append(steps)
+        self.graph_steps = steps.Metric(labels={**labels, "mode": "cuda_graph"})
+        self.eager_steps = steps.Metric(labels={**labels, "mode": "eager"})
+        self.padded_rows = metric("omni_cuda_graph_padded_rows_total", "Padding rows in CUDA-graph replays", C)
+        self.backend = metric("omni_attention_backend", "1 for the attention backend in use", G,
+                              backend=attention_backend)
+        self.backend.set(1)
+        self.governor_state = metric("omni_governor_state",
+                                     "0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting", G)
+        self.num_seqs_limit = metric("omni_governor_max_num_seqs", "Sequences per step the governor allows", G)
+        self.power = metric("omni_gpu_power_watts", "GPU power draw (W)", G)
+        self.temperature = metric("omni_gpu_temperature_celsius", "GPU temperature (C)", G)
+        self.sm_clock = metric("omni_gpu_sm_clock_mhz", "GPU SM clock (MHz)", G)
+        self._last = LLMStats()
+
+    def publish(self, stats: LLMStats) -> None:
+        """Observe the finished requests, add counter deltas, set gauges (IPC calls: not on the engine loop)."""
+        prompt = generated = 0
+        for request in stats.finished:
+            prompt += request.prompt_tokens
+            generated += request.completion_tokens
+            self.e2e.observe(request.e2e_s)
+            if request.queue_s is not None:
+                self.queue.observe(request.queue_s)
+            if request.ttft_s is not None:
+                self.ttft.observe(request.ttft_s)
+                if request.completion_tokens > 1:
+                    self.itl.observe((request.e2e_s - request.ttft_s) / (request.completion_tokens - 1))
+        last = self._last
+        for metric, delta in ((self.prompt_tokens, prompt), (self.generation_tokens, generated),
+                              (self.preemptions, stats.preemptions - last.preemptions),
+                              (self.graph_steps, stats.graph_replays - last.graph_replays),
+                              (self.eager_steps, stats.eager_steps - last.eager_steps),
+                              (self.padded_rows, stats.graph_padded_rows - last.graph_padded_rows)):
+            if delta:
+                metric.increment(delta)
+        for metric, value, old in ((self.running, stats.running, last.running),
+                                   (self.waiting, stats.waiting, last.waiting),
+                                   (self.kv_used, stats.kv_blocks_used, last.kv_blocks_used),
+                                   (self.kv_total, stats.kv_blocks_total, last.kv_blocks_total),
+                                   (self.governor_state, stats.governor_state, last.governor_state),
+                                   (self.num_seqs_limit, stats.num_seqs_limit, last.num_seqs_limit),
+                                   (self.power, stats.power_w, last.power_w),
+                                   (self.temperature, stats.temperature_c, last.temperature_c),
+                                   (self.sm_clock, stats.sm_clock_mhz, last.sm_clock_mhz)):
+            if value != old:  # gauges start at 0, as the first `last` does
+                metric.set(value)
+        stats.finished = []
+        self._last = stats
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)', re.MULTILINE)
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+NOT_ADMITTING = 3  # GovernorState.NOT_ADMITTING (not imported: that module pulls in torch)
+NOT_ADMITTING_MESSAGE = "not admitting new requests"  # how the governor's UNAVAILABLE error message starts
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples of a Prometheus text page: name -> [(labels, value)] (histograms as name_bucket/_sum/_count)."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for name, labels, value in _SAMPLE.findall(text):
+        samples.setdefault(name, []).append((dict(_LABEL.findall(labels)), float(value)))
+    return samples
+
+
+def governor_states(metrics_text: str) -> dict[tuple[str, str], int]:
+    """(model, version) -> omni_governor_state, from a Prometheus text page."""
+    return {(labels.get("model", ""), labels.get("version", "")): int(value)
+            for labels, value in parse_metrics(metrics_text).get("omni_governor_state", [])}
+
+
+def admitting(metrics_url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """Readiness as the governors see it: (False, reason) when any stage refuses new requests.
+
+    Triton 2.51 gives a Python model no way to flip the server's readiness, so a front door's /health (or a
+    Kubernetes readiness probe wrapper) reads the governor gauge from the metrics port.
+
+    Raises:
+        OSError: the metrics port did not answer.
+    """
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+        text = response.read().decode("utf-8", "replace")
+    hot = [f"{model}/{version}" for (model, version), state in governor_states(text).items() if state == NOT_ADMITTING]
+    if hot:
+        return False, f"not admitting (critical GPU temperature): {', '.join(sorted(hot))}"
+    return True, "ok"
+
+
+def retry_after_s(error_message: str) -> int | None:
+    """Seconds to put in a Retry-After header when `error_message` is the governor's refusal, else None.
+
+    The llm stage refuses with Triton's UNAVAILABLE code, but Triton 2.51 passes only the message of a decoupled
+    model's error to clients (gRPC streams carry no code; `/generate` answers 400), so a front door recognises
+    the refusal by its message and answers 503 with Retry-After.
+    """
+    match = re.search(NOT_ADMITTING_MESSAGE + r".*retry after (\d+) s", error_message)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,147 @@
+"""The power/temperature governor on a real engine loop, with a fake NVML source (issue 7 acceptance)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.ops.fake_nvml import FakeGpu, FakeNvml
+from omni_backend.ops.governor import Governor, GovernorConfig, GovernorState, NotAdmitting
+from omni_backend.ops.hardware import Nvml
+from omni_backend.stages.llm import LLMService
+
+MAX_SEQS = 8
+
+
+class ListSink:
+    def __init__(self):
+        self.outputs, self.errors = [], []
+        self.done = threading.Event()
+
+    def send(self, output):
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+    def fail(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+def make_service(path, gpu: FakeGpu, **governor_settings) -> LLMService:
+    engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", num_kv_blocks=128, max_num_seqs=MAX_SEQS,
+                                    max_model_len=256))
+    config = GovernorConfig(interval_s=0.0, **governor_settings)  # a reading at every loop iteration
+    return LLMService(engine, Governor(MAX_SEQS, config, Nvml(FakeNvml([gpu]))))
+
+
+def scheduled_per_step(service: LLMService) -> int:
+    """Run one loop iteration; returns how many sequences computed a token in it."""
+    seqs = [state.seq for state in service.engine.requests.values()]
+    before = {id(s): s.num_computed_tokens for s in seqs}
+    service.run_once()
+    return sum(s.num_computed_tokens != before[id(s)] for s in seqs)
+
+
+def test_power_above_threshold_lowers_seqs_per_step_within_two_steps_and_restores_with_hysteresis(tiny_llama_path):
+    gpu = FakeGpu(power_limit_w=300, power_w=150)  # threshold 270 W, restore below 255 W (5 % hysteresis)
+    service = make_service(tiny_llama_path, gpu)
+    sinks = [ListSink() for _ in range(MAX_SEQS)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stream=True)
+    for i, sink in enumerate(sinks):
+        service.submit(f"r{i}", [10 + i, 20, 30], params, sink)
+    service.run_once()  # admits and prefills all of them
+    for _ in range(3):
+        assert scheduled_per_step(service) == MAX_SEQS
+    assert service.governor.state is GovernorState.NORMAL
+
+    gpu.power_w = 290
+    counts = [scheduled_per_step(service) for _ in range(2)]
+    assert min(counts) < MAX_SEQS, counts  # lowered within 2 steps
+    counts += [scheduled_per_step(service) for _ in range(6)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1, counts  # stepwise, down to the minimum
+    assert service.governor.state is GovernorState.POWER_LIMITED
+
+    gpu.power_w = 262  # below the threshold but inside the hysteresis band: hold
+    assert [scheduled_per_step(service) for _ in range(4)] == [1] * 4
+
+    gpu.power_w = 200
+    counts = [scheduled_per_step(service) for _ in range(6)]
+    assert counts[0] == 1 + service.governor.step and counts == sorted(counts), counts  # stepwise back up
+    assert counts[-1] == MAX_SEQS and service.governor.state is GovernorState.NORMAL
+
+    while service.engine.has_unfinished():  # every request still completes, with all its tokens
+        service.run_once()
+    while not service._outbox.empty():  # what the response thread would send
+        service._deliver(*service._outbox.get_nowait())
+    assert all(sum(len(o.token_ids) for o in s.outputs) == 60 for s in sinks)
+
+
+def test_critical_temperature_rejects_new_requests_while_running_ones_finish(tiny_llama_path):
+    gpu = FakeGpu(temperature_c=60, slowdown_temp_c=90)  # critical 90 C, admit again below 85 C
+    service = make_service(tiny_llama_path, gpu)
+    service.start()
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, stream=True)
+        running = [ListSink() for _ in range(2)]
+        for i, sink in enumerate(running):
+            service.submit(f"run{i}", [5, 6, 7 + i], params, sink)
+        deadline = time.monotonic() + 10
+        while not all(s.outputs for s in running) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        gpu.temperature_c = 92
+        deadline = time.monotonic() + 5
+        while service.governor.admitting and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert service.governor.state is GovernorState.NOT_ADMITTING
+        assert not all(s.done.is_set() for s in running)  # the test saw the running ones mid-flight
+        with pytest.raises(NotAdmitting, match="critical 90 C; retry after 10 s"):
+            service.submit("new", [1, 2, 3], SamplingParams(max_tokens=4), ListSink())
+
+        gpu.temperature_c = 87  # cooler, but inside the 5 C hysteresis: still refusing
+        time.sleep(0.05)
+        with pytest.raises(NotAdmitting):
+            service.submit("new2", [1, 2, 3], SamplingParams(max_tokens=4), ListSink())
+        for sink in running:
+            assert sink.done.wait(30)
+            assert not sink.errors and sink.outputs[-1].finish_reason == "length"
+            assert sink.outputs[-1].completion_tokens == 200
+
+        gpu.temperature_c = 70
+        deadline = time.monotonic() + 5
+        while not service.governor.admitting and time.monotonic() < deadline:
+            time.sleep(0.005)
+        after = ListSink()
+        service.submit("after", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), after)
+        assert after.done.wait(10) and after.outputs[-1].completion_tokens == 4
+    finally:
+        service.shutdown()
+
+
+def test_without_nvml_one_log_line_and_gauge_zero(tiny_llama_path, caplog):
+    caplog.set_level(logging.WARNING, logger="omni_backend.ops.governor")
+    for module in (FakeNvml(missing=True), None):  # None: the real pynvml, absent on a CPU machine
+        caplog.clear()
+        governor = Governor.for_device("cuda:0", MAX_SEQS, nvml_module=module)
+        if module is None and governor.enabled:
+            pytest.skip("this machine has NVML")
+        for step in range(20):
+            assert governor.tick(float(step)) == MAX_SEQS
+        governor.check_admission()  # never refuses
+        lines = [r.getMessage() for r in caplog.records if "governor" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("governor disabled: NVML unavailable ("), lines
+        assert governor.state is GovernorState.DISABLED and int(governor.state) == 0
+
+    engine = LLMEngine(EngineConfig(model_path=tiny_llama_path, dtype="float32", num_kv_blocks=32,
+                                    max_num_seqs=MAX_SEQS, max_model_len=256))
+    stats = LLMService(engine, Governor.for_device("cpu", MAX_SEQS, nvml_module=FakeNvml(missing=True))).stats()
+    assert (stats.governor_state, stats.power_w, stats.temperature_c, stats.num_seqs_limit) == (0, 0.0, 0.0, MAX_SEQS)

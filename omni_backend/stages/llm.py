@@ -2,11 +2,18 @@
 
 Triton's Python backend calls `execute` on one thread; `sender.send` and `is_cancelled` are IPC round trips to
 the server. Keeping them off the engine loop (as Triton's vLLM backend does with its response thread) lets the
-loop go straight from one step to the next while responses stream out.
+loop go straight from one step to the next while responses stream out. Metric calls are IPC too: the response
+thread only notes each finished request's timings, and a third thread publishes them with a snapshot of the
+engine's gauges once per `metrics_interval_s` (see omni_backend/ops/metrics.py).
+
+The power/temperature governor (omni_backend/ops/governor.py) is consulted once per loop iteration: it sets the
+scheduler's sequences-per-step limit, and while the GPU is at its critical temperature `submit` refuses new
+requests with `NotAdmitting` (Triton UNAVAILABLE) while admitted ones run to the end.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -19,6 +26,8 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
+from omni_backend.ops.governor import Governor, GovernorConfig
+from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +76,29 @@ class LLMService:
 
     Args:
         engine: the engine; only the loop thread touches it after `start`.
+        governor: power/temperature governor of the engine's GPU (None: never limits).
+        metrics: where the metrics thread publishes (None: no metrics thread).
+        metrics_interval_s: seconds between publications.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, governor: Governor | None = None, metrics: LLMMetrics | None = None,
+                 metrics_interval_s: float = 1.0):
         self.engine = engine
+        self.governor = governor
+        self.metrics = metrics
+        self.metrics_interval_s = metrics_interval_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, ResponseSink] = {}
+        self._submitted: dict[str, float] = {}  # request id -> time.monotonic() at submit; under _sinks_lock
         self._sinks_lock = threading.Lock()
+        self._finished: collections.deque[FinishedRequest] = collections.deque()  # for the metrics thread
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._engine_loop, name="llm-engine-loop", daemon=True),
                          threading.Thread(target=self._response_loop, name="llm-responses", daemon=True)]
+        if metrics is not None:
+            self._threads.append(threading.Thread(target=self._metrics_loop, name="llm-metrics", daemon=True))
 
     def start(self) -> None:
         for thread in self._threads:
@@ -97,14 +117,19 @@ class LLMService:
 
         Raises:
             ValueError: the request can never be served (length limits); nothing was queued.
+            NotAdmitting: the governor refuses new requests (critical GPU temperature); nothing was queued.
         """
+        submitted = time.monotonic()
         self.engine.validate_request(len(prompt_token_ids), params)
         if prompt_embeds is not None:
             prompt_embeds.check(len(prompt_token_ids))
+        if self.governor is not None:
+            self.governor.check_admission()
         with self._sinks_lock:
             if request_id in self._sinks:
                 raise ValueError(f"duplicate request id {request_id}")
             self._sinks[request_id] = sink
+            self._submitted[request_id] = submitted
         self._inbox.put(("add", request_id, (prompt_token_ids, prompt_embeds), params))
         self._wakeup.set()
 
@@ -114,23 +139,34 @@ class LLMService:
         self._wakeup.set()
 
     def _engine_loop(self) -> None:
-        engine = self.engine
         while not self._stopping.is_set():
-            self._drain_inbox()
-            if not engine.has_unfinished():
-                self._wakeup.wait(timeout=0.1)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception:  # a fault in one step must not take the stage down
-                logger.exception("engine step failed; failing the requests in flight")
-                for request_id in list(engine.requests):
-                    engine.abort(request_id)
-                    self._outbox.put((request_id, "engine step failed (see server log)"))
-                continue
-            for output in outputs:
-                self._outbox.put((output.request_id, output))
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One engine-loop iteration: governor, inbox, one engine step (or a wait of up to 0.1 s when idle).
+
+        The loop thread calls it; tests call it directly on a service that was not started.
+        """
+        engine = self.engine
+        if self.governor is not None and self.governor.enabled:
+            limit = self.governor.tick(time.monotonic())
+            if limit != engine.scheduler.num_seqs_limit:
+                engine.scheduler.set_num_seqs_limit(limit)
+        self._drain_inbox()
+        if not engine.has_unfinished():
+            self._wakeup.wait(timeout=0.1)
+            self._wakeup.clear()
+            return
+        try:
+            outputs = engine.step()
+        except Exception:  # a fault in one step must not take the stage down
+            logger.exception("engine step failed; failing the requests in flight")
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
+                self._outbox.put((request_id, "engine step failed (see server log)"))
+            return
+        for output in outputs:
+            self._outbox.put((output.request_id, output))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -162,22 +198,25 @@ class LLMService:
                 next_poll = time.monotonic() + CANCEL_POLL_INTERVAL_S
 
     def _deliver(self, request_id: str, item: RequestOutput | str) -> None:
+        submitted = None
         with self._sinks_lock:
             sink = self._sinks.get(request_id)
             finished = isinstance(item, str) or item.finished
             if finished:
                 self._sinks.pop(request_id, None)
-        if sink is None:
-            return
-        try:
-            if isinstance(item, str):
-                sink.fail(item)
-            else:
-                sink.send(item)
-        except Exception:  # the client went away; stop generating for it
-            logger.exception("sending a response for %s failed; aborting it", request_id)
-            if not finished:
-                self.abort(request_id)
+                submitted = self._submitted.pop(request_id, None)
+        if sink is not None:
+            try:
+                if isinstance(item, str):
+                    sink.fail(item)
+                else:
+                    sink.send(item)
+            except Exception:  # the client went away; stop generating for it
+                logger.exception("sending a response for %s failed; aborting it", request_id)
+                if not finished:
+                    self.abort(request_id)
+        if submitted is not None and not isinstance(item, str) and self.metrics is not None:
+            self._finished.append(_finished_request(item, submitted, time.monotonic()))
 
     def _poll_cancellations(self) -> None:
         """Abort cancelled requests. Triton closes a cancelled stream itself (it sends the final flag once
@@ -190,6 +229,41 @@ class LLMService:
                     self._sinks.pop(request_id, None)
                 self.abort(request_id)
 
+    def stats(self) -> LLMStats:
+        """A snapshot for the metrics, read from another thread than the loop's (plain attribute reads).
+
+        Takes the finished requests noted since the previous call.
+        """
+        engine = self.engine
+        runner, scheduler = engine.runner, engine.scheduler
+        blocks = runner.block_manager
+        graphs = runner.graph_runner
+        governor = self.governor
+        reading = governor.reading if governor is not None and governor.enabled else None
+        finished = []
+        while self._finished:
+            finished.append(self._finished.popleft())
+        return LLMStats(
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
+            preemptions=scheduler.num_preemptions,
+            graph_replays=graphs.num_replays if graphs else 0,
+            graph_padded_rows=graphs.num_padded_rows if graphs else 0,
+            eager_steps=runner.num_eager_steps,
+            governor_state=int(governor.state) if governor is not None else 0,
+            num_seqs_limit=scheduler.num_seqs_limit,
+            power_w=reading.power_w if reading else 0.0, temperature_c=reading.temperature_c if reading else 0.0,
+            sm_clock_mhz=reading.sm_clock_mhz if reading else 0.0,
+            finished=finished,
+        )
+
+    def _metrics_loop(self) -> None:
+        while not self._stopping.wait(self.metrics_interval_s):
+            try:
+                self.metrics.publish(self.stats())
+            except Exception:  # metrics must never take the stage down
+                logger.exception("publishing metrics failed")
+
     def shutdown(self) -> None:
         """Stop both threads; requests still in flight get an error."""
         self._stopping.set()
@@ -199,8 +273,35 @@ class LLMService:
                 thread.join(timeout=5)
         with self._sinks_lock:
             sinks, self._sinks = self._sinks, {}
+            self._submitted.clear()
         for sink in sinks.values():
             try:
                 sink.fail("server is shutting down")
             except Exception:
                 logger.exception("failing a request at shutdown")
+
+
+def _finished_request(output: RequestOutput, submitted: float, now: float) -> FinishedRequest:
+    """Timings of a finished request, measured from its arrival at this stage (`submit`)."""
+    return FinishedRequest(
+        prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens, e2e_s=now - submitted,
+        ttft_s=output.first_token_time - submitted if output.first_token_time is not None else None,
+        queue_s=output.first_scheduled_time - submitted if output.first_scheduled_time is not None else None,
+    )
+
+
+def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm", version: str = "1",
+                   metrics_interval_s: float = 1.0) -> LLMService:
+    """Engine, governor and (with `pb_utils`) metrics from a Triton config's string parameters; not started.
+
+    Raises:
+        ValueError: malformed parameters; what LLMEngine raises.
+    """
+    config = engine_config_from_parameters(parameters)
+    governor_config = GovernorConfig.from_parameters(parameters)
+    engine = LLMEngine(config)
+    governor = Governor.for_device(config.torch_device, config.max_num_seqs, governor_config)
+    metrics = None
+    if pb_utils is not None:
+        metrics = LLMMetrics(pb_utils, model, version, engine.runner.attention_backend)
+    return LLMService(engine, governor, metrics, metrics_interval_s)

@@ -7,8 +7,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.stages.llm import LLMService, engine_config_from_parameters
-from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.ops.governor import NotAdmitting
+from omni_backend.stages.llm import create_service
 
 
 class _Sink:
@@ -49,8 +49,8 @@ class _Sink:
 class TritonPythonModel:
     def initialize(self, args):
         parameters = json.loads(args["model_config"]).get("parameters", {})
-        config = engine_config_from_parameters({k: v["string_value"] for k, v in parameters.items()})
-        self.service = LLMService(LLMEngine(config))
+        self.service = create_service({k: v["string_value"] for k, v in parameters.items()}, pb_utils,
+                                      args["model_name"], args["model_version"])
         self.service.start()
 
     def execute(self, requests):
@@ -65,6 +65,8 @@ class TritonPythonModel:
                 self.service.submit(request_id, ids, params, sink)
             except (ValueError, UnicodeDecodeError) as exc:
                 sink.fail(str(exc))
+            except NotAdmitting as exc:  # critical GPU temperature: HTTP 503, gRPC UNAVAILABLE
+                sink.fail(str(exc), pb_utils.TritonError.UNAVAILABLE)
             except Exception as exc:  # never take the stub down for one request
                 sink.fail(f"llm failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
         return None

@@ -1,0 +1,171 @@
+"""The llm stage's metrics and governor on a real tritonserver, with a fake NVML file (issue 7 acceptance).
+
+The server's llm stage reads `OMNI_NVML_FAKE` (a JSON file re-read at every governor reading), so the test sets
+the GPU's power and temperature while requests run.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+from chat_client import chat_messages, free_ports, http_generate, stream_infer
+
+from omni_backend import repository
+from omni_backend.ops.metrics import admitting, parse_metrics, retry_after_s
+from omni_backend.triton_server import TritonServer
+
+pytestmark = pytest.mark.server
+
+LABELS = {"model": "llm", "version": "1"}
+FAKE_GPU = {"power_w": 120, "temperature_c": 50, "power_limit_w": 300, "slowdown_temp_c": 90, "sm_clock_mhz": 1755}
+
+
+@pytest.fixture(scope="module")
+def governed_server(tmp_path_factory):
+    """The omni_chat pipeline, a small KV cache, 8 sequences per step, and the fake GPU above."""
+    root = tmp_path_factory.mktemp("governed")
+    nvml_file = root / "nvml.json"
+    nvml_file.write_text(json.dumps(FAKE_GPU))
+    repository.render_repository(root / "model_repository", models=["preprocess", "llm", "postprocess", "omni_chat"],
+                                 kv_cache_bytes=64 << 20, max_num_seqs=8)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
+                          exit_timeout_s=5, log_file=root / "tritonserver.log",
+                          env={"TRITON_INTERPRET": None, "OMNI_NVML_FAKE": str(nvml_file)})
+    server.start(ready_timeout_s=300)
+    server.nvml_file = nvml_file
+    yield server
+    server.stop()
+
+
+def scrape(server) -> dict:
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        return parse_metrics(response.read().decode())
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """The one sample of `name` whose labels include LABELS and `labels` (0 when absent, as a new counter)."""
+    want = {**LABELS, **labels}
+    found = [v for got, v in samples.get(name, []) if want.items() <= got.items()]
+    assert len(found) <= 1, (name, found)
+    return found[0] if found else 0.0
+
+
+def wait_for(predicate, timeout_s: float = 15.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scrape_until(server, condition, what: str) -> dict:
+    """Scrape until `condition(samples)` holds (the stage publishes about once a second); returns the samples."""
+    found = {}
+
+    def check():
+        found["samples"] = scrape(server)
+        return condition(found["samples"])
+
+    wait_for(check, what=what)
+    return found["samples"]
+
+
+HISTOGRAMS = ("omni_time_to_first_token_seconds", "omni_inter_token_latency_seconds",
+              "omni_e2e_request_latency_seconds", "omni_queue_time_seconds")
+
+
+def test_metrics_page_has_every_family_with_plausible_values(governed_server):
+    server = governed_server
+    before = scrape(server)
+    long_result = {}
+    long = threading.Thread(target=lambda: long_result.update(r=stream_infer(server.grpc_url, {
+        "text_input": "Count slowly:", "max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0})))
+    long.start()
+    during = scrape_until(server, lambda s: value(s, "omni_requests_running") == 1, "a running request")
+    assert value(during, "omni_kv_cache_blocks_used") >= 1
+    long.join(120)
+
+    served = [long_result["r"]]
+    served.append(stream_infer(server.grpc_url, {"text_input": chat_messages("What is the capital of France?"),
+                                                 "max_tokens": 16, "stream": True, "temperature": 0}))
+    served.append(stream_infer(server.grpc_url, {"text_input": "One", "max_tokens": 1, "stream": True}))
+    status, body = http_generate(server.http_url, {"text_input": "Once upon a time", "max_tokens": 6,
+                                                   "temperature": 0})
+    assert status == 200, body
+    assert all(r.error is None for r in served), [r.error for r in served]
+    prompt = sum(r.last("prompt_tokens") for r in served) + body["prompt_tokens"]
+    completion = [r.last("completion_tokens") for r in served] + [body["completion_tokens"]]
+    requests = len(completion)
+
+    after = scrape_until(server, lambda s: value(s, "omni_generation_tokens_total") - value(
+        before, "omni_generation_tokens_total") == sum(completion), "the generation tokens published")
+    delta = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
+
+    # token counters equal the tokens served
+    assert delta("omni_generation_tokens_total") == sum(completion)
+    assert delta("omni_prompt_tokens_total") == prompt
+    # histograms: one observation per request (ITL: per request with at least two tokens), seconds
+    for name in HISTOGRAMS:
+        expected = sum(c > 1 for c in completion) if "inter_token" in name else requests
+        assert delta(f"{name}_count") == expected, name
+        assert delta(f"{name}_bucket", le="+Inf") == expected, name
+    ttft, e2e = delta("omni_time_to_first_token_seconds_sum"), delta("omni_e2e_request_latency_seconds_sum")
+    queue = delta("omni_queue_time_seconds_sum")
+    assert 0 <= queue <= ttft < e2e < 120, (queue, ttft, e2e)
+    itl_mean = delta("omni_inter_token_latency_seconds_sum") / delta("omni_inter_token_latency_seconds_count")
+    assert 0.001 < itl_mean < 2.0, itl_mean
+    # engine gauges and counters
+    assert value(after, "omni_requests_running") == 0 and value(after, "omni_requests_waiting") == 0
+    assert value(after, "omni_kv_cache_blocks_used") == 0 < value(after, "omni_kv_cache_blocks_total")
+    assert "omni_preemptions_total" in after and delta("omni_preemptions_total") == 0
+    assert delta("omni_engine_steps_total", mode="eager") >= max(completion)  # CPU: every step eager
+    assert value(after, "omni_engine_steps_total", mode="cuda_graph") == 0
+    assert "omni_cuda_graph_padded_rows_total" in after
+    assert value(after, "omni_attention_backend", backend="torch") == 1
+    # governor and GPU readings (the fake GPU: 120 W of 300, 50 C)
+    assert value(after, "omni_governor_state") == 1 and value(after, "omni_governor_max_num_seqs") == 8
+    assert value(after, "omni_gpu_power_watts") == 120 and value(after, "omni_gpu_temperature_celsius") == 50
+    assert value(after, "omni_gpu_sm_clock_mhz") == 1755
+    # queue time of the other stages: Triton's own per-model counter
+    for stage in ("preprocess", "postprocess"):
+        assert value(after, "nv_inference_queue_duration_us", model=stage) > 0
+
+
+def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(governed_server):
+    server = governed_server
+    long_result = {}
+    long = threading.Thread(target=lambda: long_result.update(r=stream_infer(server.grpc_url, {
+        "text_input": "Count slowly:", "max_tokens": 160, "ignore_eos": True, "stream": True, "temperature": 0})))
+    long.start()
+    scrape_until(server, lambda s: value(s, "omni_requests_running") == 1, "the long request running")
+    try:
+        server.nvml_file.write_text(json.dumps({**FAKE_GPU, "temperature_c": 95}))
+        wait_for(lambda: not admitting(server.metrics_url)[0], what="readiness reporting not admitting")
+        assert value(scrape(server), "omni_governor_state") == 3
+        assert long.is_alive()  # still running while new requests are refused
+
+        # The stage answers UNAVAILABLE; Triton 2.51 hands clients of a decoupled model only the message
+        # (/generate answers 400, seen here; a later Triton's 503 is accepted too), which the front door turns
+        # into 503 + Retry-After.
+        status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4})
+        assert status in (400, 503) and retry_after_s(body["error"]) == 10, (status, body)
+        refused = stream_infer(server.grpc_url, {"text_input": "Hello", "max_tokens": 4, "stream": True})
+        assert refused.error is not None and retry_after_s(refused.error) == 10, refused.error
+
+        long.join(180)
+        finished = long_result["r"]
+        assert finished.error is None and finished.last("finish_reason") == "length"
+        assert finished.last("completion_tokens") == 160
+    finally:
+        server.nvml_file.write_text(json.dumps(FAKE_GPU))
+        long.join(180)
+    wait_for(lambda: admitting(server.metrics_url)[0], what="admitting again after cooling down")
+    status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True})
+    assert status == 200 and body["completion_tokens"] == 4, body

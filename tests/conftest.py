@@ -23,12 +23,6 @@ from chat_client import free_ports  # noqa: E402
 from omni_backend import repository  # noqa: E402
 from omni_backend.triton_server import TritonServer  # noqa: E402
 
-if not torch.cuda.is_available():
-    # `@triton.jit` picks the interpreter when a kernel module is first imported. With `pytest tests`, the
-    # engine tests import kernels/ during collection, before tests/kernels/conftest.py is loaded (only the
-    # root conftest loads first), so the choice is made here; tests/kernels/conftest.py makes the same one.
-    os.environ["TRITON_INTERPRET"] = "1"
-
 # Small KV cache: enough for the tests' concurrency, light on a 2-core CI machine.
 TEST_SETTINGS = {"kv_cache_bytes": 64 * 1024 * 1024, "max_num_seqs": 16}
 

@@ -1,11 +1,18 @@
-"""Fixtures for ops tests: a tiny random Llama (SmolLM2's tokenizer) for governor tests on a real engine."""
+"""Fixtures for ops tests: a tiny random Llama for governor tests on a real engine, and a tritonserver whose
+llm stage sees a fake GPU (`OMNI_NVML_FAKE`: a JSON file re-read at every governor reading)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from chat_client import free_ports
 
-from omni_backend import paths
+from omni_backend import paths, repository
+from omni_backend.triton_server import TritonServer
+
+FAKE_GPU = {"power_w": 120, "temperature_c": 50, "power_limit_w": 300, "slowdown_temp_c": 90, "sm_clock_mhz": 1755}
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +32,21 @@ def tiny_llama_path(tmp_path_factory) -> str:
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def governed_server(tmp_path_factory):
+    """The omni_chat pipeline, a small KV cache, 8 sequences per step, and the fake GPU above."""
+    root = tmp_path_factory.mktemp("governed")
+    nvml_file = root / "nvml.json"
+    nvml_file.write_text(json.dumps(FAKE_GPU))
+    repository.render_repository(root / "model_repository", models=["preprocess", "llm", "postprocess", "omni_chat"],
+                                 kv_cache_bytes=64 << 20, max_num_seqs=8)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
+                          exit_timeout_s=5, log_file=root / "tritonserver.log",
+                          env={"TRITON_INTERPRET": None, "OMNI_NVML_FAKE": str(nvml_file)})
+    server.start(ready_timeout_s=300)
+    server.nvml_file, server.fake_gpu = nvml_file, dict(FAKE_GPU)
+    yield server
+    server.stop()

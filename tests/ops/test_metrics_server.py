@@ -1,7 +1,7 @@
 """The llm stage's metrics and governor on a real tritonserver, with a fake NVML file (issue 7 acceptance).
 
-The server's llm stage reads `OMNI_NVML_FAKE` (a JSON file re-read at every governor reading), so the test sets
-the GPU's power and temperature while requests run.
+The server (`governed_server` in conftest.py) gives its llm stage a fake NVML file, so the test sets the GPU's
+power and temperature while requests run.
 """
 
 from __future__ import annotations
@@ -12,34 +12,13 @@ import time
 import urllib.request
 
 import pytest
-from chat_client import chat_messages, free_ports, http_generate, stream_infer
+from chat_client import chat_messages, http_generate, stream_infer
 
-from omni_backend import repository
 from omni_backend.ops.metrics import admitting, parse_metrics, retry_after_s
-from omni_backend.triton_server import TritonServer
 
 pytestmark = pytest.mark.server
 
 LABELS = {"model": "llm", "version": "1"}
-FAKE_GPU = {"power_w": 120, "temperature_c": 50, "power_limit_w": 300, "slowdown_temp_c": 90, "sm_clock_mhz": 1755}
-
-
-@pytest.fixture(scope="module")
-def governed_server(tmp_path_factory):
-    """The omni_chat pipeline, a small KV cache, 8 sequences per step, and the fake GPU above."""
-    root = tmp_path_factory.mktemp("governed")
-    nvml_file = root / "nvml.json"
-    nvml_file.write_text(json.dumps(FAKE_GPU))
-    repository.render_repository(root / "model_repository", models=["preprocess", "llm", "postprocess", "omni_chat"],
-                                 kv_cache_bytes=64 << 20, max_num_seqs=8)
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          exit_timeout_s=5, log_file=root / "tritonserver.log",
-                          env={"TRITON_INTERPRET": None, "OMNI_NVML_FAKE": str(nvml_file)})
-    server.start(ready_timeout_s=300)
-    server.nvml_file = nvml_file
-    yield server
-    server.stop()
 
 
 def scrape(server) -> dict:
@@ -130,9 +109,11 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     assert "omni_cuda_graph_padded_rows_total" in after
     assert value(after, "omni_attention_backend", backend="torch") == 1
     # governor and GPU readings (the fake GPU: 120 W of 300, 50 C)
+    gpu = server.fake_gpu
     assert value(after, "omni_governor_state") == 1 and value(after, "omni_governor_max_num_seqs") == 8
-    assert value(after, "omni_gpu_power_watts") == 120 and value(after, "omni_gpu_temperature_celsius") == 50
-    assert value(after, "omni_gpu_sm_clock_mhz") == 1755
+    assert value(after, "omni_gpu_power_watts") == gpu["power_w"]
+    assert value(after, "omni_gpu_temperature_celsius") == gpu["temperature_c"]
+    assert value(after, "omni_gpu_sm_clock_mhz") == gpu["sm_clock_mhz"]
     # queue time of the other stages: Triton's own per-model counter
     for stage in ("preprocess", "postprocess"):
         assert value(after, "nv_inference_queue_duration_us", model=stage) > 0
@@ -146,7 +127,7 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
     long.start()
     scrape_until(server, lambda s: value(s, "omni_requests_running") == 1, "the long request running")
     try:
-        server.nvml_file.write_text(json.dumps({**FAKE_GPU, "temperature_c": 95}))
+        server.nvml_file.write_text(json.dumps({**server.fake_gpu, "temperature_c": 95}))
         wait_for(lambda: not admitting(server.metrics_url)[0], what="readiness reporting not admitting")
         assert value(scrape(server), "omni_governor_state") == 3
         assert long.is_alive()  # still running while new requests are refused
@@ -164,7 +145,7 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
         assert finished.error is None and finished.last("finish_reason") == "length"
         assert finished.last("completion_tokens") == 160
     finally:
-        server.nvml_file.write_text(json.dumps(FAKE_GPU))
+        server.nvml_file.write_text(json.dumps(server.fake_gpu))
         long.join(180)
     wait_for(lambda: admitting(server.metrics_url)[0], what="admitting again after cooling down")
     status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True})

@@ -15,6 +15,7 @@ import pytest
 from chat_client import chat_messages, http_generate, stream_infer
 
 from omni_backend.ops.metrics import admitting, parse_metrics, retry_after_s
+from omni_backend.ops.ready import check
 
 pytestmark = pytest.mark.server
 
@@ -130,6 +131,8 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
         server.nvml_file.write_text(json.dumps({**server.fake_gpu, "temperature_c": 95}))
         wait_for(lambda: not admitting(server.metrics_url)[0], what="readiness reporting not admitting")
         assert value(scrape(server), "omni_governor_state") == 3
+        ready, reason = check(server.http_url, server.metrics_url)  # the deployments' readiness probe
+        assert not ready and "llm/1" in reason, reason
         assert long.is_alive()  # still running while new requests are refused
 
         # The stage answers UNAVAILABLE; Triton 2.51 hands clients of a decoupled model only the message
@@ -148,5 +151,6 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
         server.nvml_file.write_text(json.dumps(server.fake_gpu))
         long.join(180)
     wait_for(lambda: admitting(server.metrics_url)[0], what="admitting again after cooling down")
+    assert check(server.http_url, server.metrics_url) == (True, "ok")
     status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True})
     assert status == 200 and body["completion_tokens"] == 4, body

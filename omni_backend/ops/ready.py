@@ -1,0 +1,41 @@
+"""`python -m omni_backend.ops.ready`: exit 0 when the server can take new requests, else 1 with the reason.
+
+Ready means Triton's `/v2/health/ready` answers 200 and no stage's governor refuses new requests (critical GPU
+temperature, `omni_governor_state` 3 on the metrics port). Triton 2.51 gives a Python model no way to flip the
+server's readiness, so this is the readiness probe of a deployment (docker/k8s/): while the GPU is too hot the
+pod leaves its Service's endpoints and new traffic goes elsewhere, while requests already running finish.
+Flags: --http (default localhost:8000), --metrics (default http://localhost:8002/metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.request
+
+from omni_backend.ops.metrics import admitting
+
+
+def check(http: str, metrics_url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """(ready, reason)."""
+    try:
+        with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=timeout_s) as response:
+            if response.status != 200:
+                return False, f"triton not ready (HTTP {response.status})"
+        return admitting(metrics_url, timeout_s)
+    except OSError as exc:  # connection refused, HTTP error status, timeout
+        return False, f"triton not ready ({exc})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omni_backend.ops.ready", description=__doc__)
+    parser.add_argument("--http", default="localhost:8000")
+    parser.add_argument("--metrics", default="http://localhost:8002/metrics")
+    args = parser.parse_args(argv)
+    ready, reason = check(args.http, args.metrics)
+    print(reason)
+    return 0 if ready else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

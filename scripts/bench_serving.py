@@ -340,7 +340,8 @@ def plot(results: dict, path: Path) -> None:
     peers = results["peers"]
     colors = {"omni_chat": "#27a", "hf": "#999", "llama_cpp": "#c73"}
     labels = {"omni_chat": f"omni_chat (Triton, {results['dtype']})",
-              "hf": f"HF transformers, one at a time ({results['dtype']})", "llama_cpp": "llama-cpp-python server (Q4_1)"}
+              "hf": f"HF transformers, one at a time ({results['dtype']})",
+              "llama_cpp": "llama-cpp-python server (Q4_1)"}
     fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
     for name, peer in peers.items():
         if "levels" not in peer:

@@ -221,9 +221,10 @@ def open_nvml(module=None) -> Nvml:
     return Nvml(module)
 
 
-def nvml_index(device: torch.device, nvml: Nvml) -> int:
+def nvml_index(device: torch.device | str, nvml: Nvml) -> int:
     """NVML index of the GPU the engine runs on (matched by UUID when torch can tell; CUDA_VISIBLE_DEVICES
     renumbers CUDA devices but not NVML ones). A CPU engine maps to GPU 0."""
+    device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
         if uuid is not None:

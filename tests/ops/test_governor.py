@@ -145,3 +145,16 @@ def test_without_nvml_one_log_line_and_gauge_zero(tiny_llama_path, caplog):
                                     max_num_seqs=MAX_SEQS, max_model_len=256))
     stats = LLMService(engine, Governor.for_device("cpu", MAX_SEQS, nvml_module=FakeNvml(missing=True))).stats()
     assert (stats.governor_state, stats.power_w, stats.temperature_c, stats.num_seqs_limit) == (0, 0.0, 0.0, MAX_SEQS)
+
+
+def test_thresholds_derive_from_the_gpu_when_not_set():
+    governor = Governor.for_device("cuda:0", 32, GovernorConfig(), nvml_module=FakeNvml([FakeGpu(
+        power_limit_w=400, slowdown_temp_c=None)]))
+    assert governor.enabled and governor.gpu.power_limit_w == 400
+    assert (governor.power_threshold_w, governor.hysteresis_w, governor.critical_temp_c, governor.step) == (
+        360.0, 20.0, 85.0, 8)
+    config = GovernorConfig.from_parameters({"governor_power_threshold_w": "250", "governor_critical_temp_c": "80",
+                                             "governor_power_fraction": "", "governor_interval_s": "0.5"})
+    assert (config.power_threshold_w, config.critical_temp_c, config.power_fraction) == (250.0, 80.0, 0.9)
+    with pytest.raises(ValueError, match="governor_min_num_seqs must be a number"):
+        GovernorConfig.from_parameters({"governor_min_num_seqs": "two"})

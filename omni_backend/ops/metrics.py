@@ -11,7 +11,8 @@ loop and the response thread only append plain records, and `LLMService`'s metri
                                                    Triton's nv_inference_queue_duration_us covers the
                                                    other stages)
     omni_prompt_tokens_total            counter    prompt tokens of finished requests
-    omni_generation_tokens_total        counter    completion tokens sent (the clients' completion_tokens)
+    omni_generation_tokens_total        counter    completion tokens of finished requests (the clients'
+                                                   completion_tokens; aborted requests included)
     omni_requests_running / _waiting    gauge      engine's running list / waiting queue
     omni_kv_cache_blocks_used / _total  gauge      paged KV cache blocks
     omni_preemptions_total              counter    recompute preemptions
@@ -100,7 +101,8 @@ class LLMMetrics:
         self.queue = metric("omni_queue_time_seconds", "Time a request waited before its first step (s)", H,
                             QUEUE_BUCKETS)
         self.prompt_tokens = metric("omni_prompt_tokens_total", "Prompt tokens of finished requests", C)
-        self.generation_tokens = metric("omni_generation_tokens_total", "Generated tokens sent", C)
+        self.generation_tokens = metric("omni_generation_tokens_total",
+                                        "Generated tokens of finished requests (aborted ones included)", C)
         self.running = metric("omni_requests_running", "Requests in the running batch", G)
         self.waiting = metric("omni_requests_waiting", "Requests waiting to be scheduled", G)
         self.kv_used = metric("omni_kv_cache_blocks_used", "KV cache blocks in use", G)

@@ -265,7 +265,7 @@ class LLMService:
                 logger.exception("publishing metrics failed")
 
     def shutdown(self) -> None:
-        """Stop both threads; requests still in flight get an error."""
+        """Stop the threads; requests still in flight get an error."""
         self._stopping.set()
         self._wakeup.set()
         for thread in self._threads:

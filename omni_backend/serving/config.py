@@ -1,0 +1,84 @@
+"""Front door settings: flags of `python -m omni_backend.serving`, else environment variables, else defaults.
+
+| setting | flag | environment | default |
+| --- | --- | --- | --- |
+| listen address | `--host`, `--port` | `OMNI_OPENAI_HOST`, `OMNI_OPENAI_PORT` | 0.0.0.0, 9000 |
+| Triton gRPC | `--triton-grpc` | `OMNI_TRITON_GRPC` (else localhost:`OMNI_GRPC_PORT`) | localhost:8001 |
+| Triton HTTP (for `/v2`) | `--triton-http` | `OMNI_TRITON_HTTP` (else localhost:`OMNI_HTTP_PORT`) | localhost:8000 |
+| Triton metrics | `--triton-metrics` | `OMNI_TRITON_METRICS` (else localhost:`OMNI_METRICS_PORT`) | http://localhost:8002/metrics |
+| served models | `--model` (repeatable) | `OMNI_OPENAI_MODELS` (comma-separated) | omni_chat |
+| API key | `--api-key` | `OMNI_API_KEY` | none (no key needed) |
+| body limit | `--max-body-bytes` | `OMNI_OPENAI_MAX_BODY_BYTES` | 33554432 (32 MiB) |
+| requests in flight | `--max-concurrent-requests` | `OMNI_OPENAI_MAX_CONCURRENT_REQUESTS` | 256 (0: no limit) |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _env_int(environ, name: str, default: int) -> int:
+    value = environ.get(name)
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+@dataclass
+class ServingConfig:
+    """Everything the front door needs to know (see the module docstring for flags and variables).
+
+    Attributes:
+        triton_grpc: Triton's gRPC endpoint `host:port` (generation goes here).
+        triton_http: Triton's HTTP endpoint `host:port` (the `/v2` pass-through goes here).
+        triton_metrics_url: Triton's Prometheus page, prepended to `/metrics`.
+        models: served model names; each is a Triton ensemble of preprocess -> llm -> postprocess.
+        api_key: when set, `/v1/*` and `/v2/*` (except `/v2/health/*`) need `Authorization: Bearer <key>`.
+        max_body_bytes: larger request bodies get 413.
+        max_concurrent_requests: generation requests served at once; more get 429 (0: no limit).
+        host, port: where the front door listens.
+    """
+
+    triton_grpc: str = "localhost:8001"
+    triton_http: str = "localhost:8000"
+    triton_metrics_url: str = "http://localhost:8002/metrics"
+    models: tuple[str, ...] = field(default_factory=lambda: ("omni_chat",))
+    api_key: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_concurrent_requests: int = 256
+    host: str = "0.0.0.0"
+    port: int = 9000
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("at least one served model is needed")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_concurrent_requests < 0:
+            raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
+        self.models = tuple(self.models)
+
+    @classmethod
+    def from_env(cls, environ=None) -> "ServingConfig":
+        """Defaults overridden by the environment variables in the module docstring."""
+        env = os.environ if environ is None else environ
+        grpc_port = env.get("OMNI_GRPC_PORT") or "8001"
+        http_port = env.get("OMNI_HTTP_PORT") or "8000"
+        metrics_port = env.get("OMNI_METRICS_PORT") or "8002"
+        models = [m.strip() for m in (env.get("OMNI_OPENAI_MODELS") or "omni_chat").split(",") if m.strip()]
+        return cls(
+            triton_grpc=env.get("OMNI_TRITON_GRPC") or f"localhost:{grpc_port}",
+            triton_http=env.get("OMNI_TRITON_HTTP") or f"localhost:{http_port}",
+            triton_metrics_url=env.get("OMNI_TRITON_METRICS") or f"http://localhost:{metrics_port}/metrics",
+            models=tuple(models),
+            api_key=env.get("OMNI_API_KEY") or None,
+            max_body_bytes=_env_int(env, "OMNI_OPENAI_MAX_BODY_BYTES", cls.max_body_bytes),
+            max_concurrent_requests=_env_int(env, "OMNI_OPENAI_MAX_CONCURRENT_REQUESTS",
+                                             cls.max_concurrent_requests),
+            host=env.get("OMNI_OPENAI_HOST") or cls.host,
+            port=_env_int(env, "OMNI_OPENAI_PORT", cls.port),
+        )

@@ -1,0 +1,138 @@
+"""OpenAI error objects and the mapping from Triton's errors to HTTP statuses.
+
+Every error leaves the front door as `{"error": {"message", "type", "param", "code"}}` with the status the
+OpenAI API uses. Triton errors reach us two ways:
+
+- unary calls (the preprocess stage) raise `InferenceServerException` with a gRPC status: INVALID_ARGUMENT is
+  the client's fault (400), UNAVAILABLE means overloaded or not ready (503 + Retry-After), the rest are faults.
+- a gRPC stream (the llm stage) carries only the error *message* (Triton 2.51's ModelStreamInferResponse has no
+  status code), so `stream_error` classifies it by the llm stage's own wording: the stage answers bad requests
+  with INVALID_ARG and a message naming the problem, and faults with "llm failed: ..." or "engine step failed".
+"""
+
+from __future__ import annotations
+
+import re
+
+from omni_backend.ops.metrics import retry_after_s
+
+RETRY_AFTER_S = 1
+
+# Triton input tensor -> the OpenAI field a client sent (for messages that name a tensor).
+TENSOR_FIELDS = {
+    "text_input": "prompt", "prompt_token_ids": "prompt", "random_seed": "seed", "stop_words": "stop",
+}
+
+_UNAVAILABLE = re.compile(
+    r"waiting queue is full|shutting down|not ready|unavailable|exceeds maximum queue size|overloaded"
+    r"|not admitting new requests", re.I
+)
+_FAULT = re.compile(r"^(llm|preprocess|postprocess) failed:|engine step failed", re.I)
+_CONTEXT = re.compile(r"maximum context length", re.I)
+
+
+class OpenAIError(Exception):
+    """An error answer: HTTP status plus the OpenAI error object's fields.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable, names the offending field where there is one.
+        type: OpenAI error type ("invalid_request_error", "authentication_error", "server_error", ...).
+        param: the request field at fault, or None.
+        code: machine-readable code ("model_not_found", "context_length_exceeded", ...), or None.
+        retry_after: seconds for a Retry-After header (429/503), or None.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """400 invalid_request_error."""
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    """The one 404 every endpoint answers for an unknown model."""
+    return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                       "model_not_found")
+
+
+def unavailable(message: str) -> OpenAIError:
+    """503 with Retry-After: Triton is not ready, unreachable, its queue is full, or the llm stage's governor is
+    not admitting new requests (its message says for how long; see `omni_backend.ops.metrics.retry_after_s`)."""
+    return OpenAIError(503, message, "server_error", None, "service_unavailable",
+                       retry_after=retry_after_s(message) or RETRY_AFTER_S)
+
+
+def overloaded(limit: int) -> OpenAIError:
+    """429 with Retry-After: the front door's own limit on requests in flight."""
+    return OpenAIError(429, f"too many requests in flight (limit {limit}); retry shortly", "rate_limit_error",
+                       None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+
+
+def internal(message: str) -> OpenAIError:
+    """500: a real fault in the server."""
+    return OpenAIError(500, message, "server_error", None, "internal_error")
+
+
+def client_error(message: str, prompt_field: str) -> OpenAIError:
+    """400 for a Triton stage's INVALID_ARG message, with the field named as the client knows it.
+
+    Args:
+        message: the stage's message (it starts with the tensor name when it names one).
+        prompt_field: what the prompt is called on this endpoint ("messages" or "prompt").
+    """
+    message = re.sub(r"^in ensemble '[^']*', ", "", message)
+    if _CONTEXT.search(message):
+        return invalid(f"{message}; reduce the length of the {prompt_field} or of the completion (max_tokens)",
+                       prompt_field, "context_length_exceeded")
+    first = re.match(r"[A-Za-z_]+", message)
+    param = first.group(0) if first else None
+    if param in TENSOR_FIELDS:
+        field = prompt_field if TENSOR_FIELDS[param] == "prompt" else TENSOR_FIELDS[param]
+        message = field + message[len(param):]
+        param = field
+    elif param not in _KNOWN_FIELDS:
+        param = None
+    return invalid(message, param)
+
+
+_KNOWN_FIELDS = {
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "stop", "logprobs", "ignore_eos", "messages", "prompt",
+}
+
+
+def stream_error(message: str, prompt_field: str) -> OpenAIError:
+    """Classify an error that arrived on a gRPC stream (message only; see the module docstring)."""
+    if _UNAVAILABLE.search(message):
+        return unavailable(message)
+    if _FAULT.search(message):
+        return internal(message)
+    return client_error(message, prompt_field)
+
+
+def grpc_status_error(status: str | None, message: str, prompt_field: str) -> OpenAIError:
+    """Map a unary call's gRPC status (as tritonclient spells it, "StatusCode.X") to an OpenAIError."""
+    name = (status or "").rsplit(".", 1)[-1]
+    if name == "INVALID_ARGUMENT":
+        return client_error(message, prompt_field)
+    if name in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+        return unavailable(message)
+    if name == "NOT_FOUND":
+        return unavailable(f"a pipeline model is not loaded: {message}")
+    if name == "DEADLINE_EXCEEDED":
+        return OpenAIError(504, message, "server_error", None, "timeout")
+    if not name and not message.startswith(("preprocess failed", "postprocess failed")):
+        return stream_error(message, prompt_field)
+    return internal(message)

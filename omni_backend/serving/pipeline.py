@@ -1,0 +1,302 @@
+"""The chat pipeline over Triton gRPC, driven stage by stage so that a client's disconnect reaches the engine.
+
+Why not one stream to the `omni_chat` ensemble: on Triton 2.51 cancelling an ensemble's gRPC stream stops the
+ensemble between steps but never cancels the request already inside a composing model, so the decoupled `llm`
+stage would go on generating (and holding KV blocks) for a client that has gone. A stream straight to `llm`
+*is* cancelled (its response sender reports `is_cancelled`, the engine aborts the sequence). So the front door
+runs the ensemble's own steps itself, wired exactly as the ensemble's config says:
+
+    preprocess  one unary call: prompt + settings -> token ids + sampling params (errors carry a gRPC status)
+    llm         one gRPC stream per request, cancelled when the HTTP client goes away
+    postprocess one unary call per llm response, as the ensemble would (logprob ids -> token strings/bytes)
+
+The wiring (which model is which step, which tensor feeds which input, the preprocess input types, the
+context length) is read from Triton's model configs, not hard-coded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from omni_backend.serving.errors import OpenAIError, grpc_status_error, internal, stream_error, unavailable
+
+
+@dataclass
+class StepWiring:
+    """One ensemble step: its model and how its tensors map to the ensemble's tensor names."""
+
+    model: str
+    inputs: dict[str, str]  # step input -> ensemble tensor
+    outputs: dict[str, str]  # step output -> ensemble tensor
+
+
+@dataclass
+class PipelineInfo:
+    """What the front door learned about one served model from Triton.
+
+    Attributes:
+        name: the ensemble's name (the OpenAI `model` id).
+        preprocess, llm, postprocess: the steps (postprocess may be None).
+        input_types: preprocess input name -> Triton datatype ("BYTES", "INT32", ...).
+        max_model_len: longest prompt + completion in tokens (the llm's `max_model_len` parameter).
+        created: when the front door first saw it (Unix seconds), for `/v1/models`.
+    """
+
+    name: str
+    preprocess: StepWiring
+    llm: StepWiring
+    postprocess: StepWiring | None
+    input_types: dict[str, str]
+    max_model_len: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def accepts_token_ids(self) -> bool:
+        return "prompt_token_ids" in self.input_types
+
+
+@dataclass
+class Prepared:
+    """A request after preprocess: the tensors the llm takes, and what the prompt was."""
+
+    tensors: dict[str, np.ndarray]
+    prompt_tokens: int
+    prompt_text: str
+    generate: bool = True  # False for max_tokens 0: nothing to generate
+
+
+@dataclass
+class Step:
+    """One response of the pipeline (one text delta when streaming, the whole text otherwise)."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict] | None
+
+
+def _datatype(config_type: str) -> str:
+    name = config_type.removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
+
+
+def _scalar(array: np.ndarray | None, default=None):
+    if array is None:
+        return default
+    value = np.asarray(array).reshape(-1)[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
+
+
+class TritonPipeline:
+    """One served model: an ensemble of preprocess -> decoupled llm -> postprocess on a Triton server.
+
+    Args:
+        grpc_url: Triton's gRPC endpoint, `host:port`.
+        model: the ensemble's name.
+    """
+
+    def __init__(self, grpc_url: str, model: str = "omni_chat"):
+        self.grpc_url, self.model = grpc_url, model
+        self._client: aio.InferenceServerClient | None = None
+        self._info: PipelineInfo | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def client(self) -> aio.InferenceServerClient:
+        if self._client is None:  # created on first use, inside the serving event loop
+            self._client = aio.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def ready(self) -> bool:
+        """True when Triton answers and the ensemble is ready."""
+        try:
+            return bool(await self.client.is_server_ready() and await self.client.is_model_ready(self.model))
+        except (InferenceServerException, grpc.RpcError, OSError):
+            return False
+
+    async def info(self) -> PipelineInfo:
+        """The pipeline's wiring, read from Triton once and kept.
+
+        Raises:
+            OpenAIError: 503 when Triton cannot be asked; 500 when the model is not a pipeline we can drive.
+        """
+        if self._info is None:
+            async with self._lock:
+                if self._info is None:
+                    self._info = await self._discover()
+        return self._info
+
+    async def _config(self, model: str) -> dict:
+        try:
+            return (await self.client.get_model_config(model, as_json=True))["config"]
+        except InferenceServerException as exc:
+            raise unavailable(f"cannot read the config of model '{model}' from Triton: {exc.message()}") from None
+
+    async def _discover(self) -> PipelineInfo:
+        config = await self._config(self.model)
+        steps = config.get("ensemble_scheduling", {}).get("step", [])
+        configs = [await self._config(step["model_name"]) for step in steps]
+        decoupled = [i for i, c in enumerate(configs) if c.get("model_transaction_policy", {}).get("decoupled")]
+        if len(decoupled) != 1 or decoupled[0] != 1 or len(steps) > 3:
+            raise internal(f"model '{self.model}' is not a preprocess -> decoupled llm [-> postprocess] ensemble")
+        wiring = [StepWiring(s["model_name"], dict(s.get("input_map", {})), dict(s.get("output_map", {})))
+                  for s in steps]
+        parameters = {k: v.get("string_value") for k, v in configs[1].get("parameters", {}).items()}
+        parameters = parameters or {k: v.get("string_value") for k, v in configs[0].get("parameters", {}).items()}
+        max_model_len = int(parameters["max_model_len"]) if parameters.get("max_model_len") else None
+        input_types = {i["name"]: _datatype(i["data_type"]) for i in configs[0].get("input", [])}
+        return PipelineInfo(self.model, wiring[0], wiring[1], wiring[2] if len(wiring) == 3 else None,
+                            input_types, max_model_len)
+
+    async def prepare(self, values: dict, max_tokens: int | None, prompt_field: str,
+                      request_id: str = "") -> Prepared:
+        """Run preprocess on one prompt.
+
+        Args:
+            values: omni_chat inputs by name (`text_input`, `temperature`, `stop_words`, ...), plus
+                `prompt_token_ids` for a token-id prompt. Values are Python scalars or lists.
+            max_tokens: tokens to generate; 0 validates the prompt without generating; None means the rest
+                of the context (max_model_len - prompt tokens).
+            prompt_field: the request field holding the prompt ("messages" or "prompt"), for error messages.
+
+        Raises:
+            OpenAIError: 400 for bad input (Triton INVALID_ARG), 503 when Triton is unavailable, 500 otherwise.
+        """
+        info = await self.info()
+        values = dict(values, max_tokens=max_tokens if max_tokens else 1)
+        by_ensemble_name = {tensor: name for name, tensor in info.preprocess.inputs.items()}
+        inputs = []
+        for name, value in values.items():
+            stage_name = by_ensemble_name.get(name, name)
+            datatype = info.input_types.get(stage_name)
+            if datatype is None:
+                raise internal(f"model '{info.preprocess.model}' has no input '{stage_name}'")
+            items = value if isinstance(value, (list, tuple)) else [value]
+            if datatype == "BYTES":
+                array = np.array([str(v).encode("utf-8") for v in items], dtype=np.object_)
+            else:
+                array = np.array(items, dtype=grpcclient.triton_to_np_dtype(datatype))
+            tensor = grpcclient.InferInput(stage_name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            result = await self.client.infer(info.preprocess.model, inputs, request_id=request_id)
+        except InferenceServerException as exc:
+            raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
+        tensors = {name: result.as_numpy(name) for name in info.preprocess.outputs}
+        ids = result.as_numpy("input_ids")
+        prompt_tokens = int(ids.size) if ids is not None else 0
+        prompt_text = _scalar(result.as_numpy("prompt_text"), "")
+        if max_tokens is None and info.max_model_len is not None:
+            tensors = self._with_max_tokens(tensors, info, max(1, info.max_model_len - prompt_tokens))
+        return Prepared(tensors, prompt_tokens, prompt_text, generate=max_tokens != 0)
+
+    @staticmethod
+    def _with_max_tokens(tensors: dict, info: PipelineInfo, max_tokens: int) -> dict:
+        """Rewrite max_tokens inside the sampling_params JSON tensor (the engine re-validates it)."""
+        for name, tensor in info.preprocess.outputs.items():
+            if name == "sampling_params":
+                params = json.loads(_scalar(tensors[name]))
+                params["max_tokens"] = max_tokens
+                tensors = dict(tensors, **{name: np.array([json.dumps(params).encode()], dtype=np.object_)})
+        return tensors
+
+    async def generate(self, prepared: Prepared, prompt_field: str, request_id: str = "") -> AsyncIterator[Step]:
+        """Stream one request through llm (and postprocess); the last Step has a finish_reason.
+
+        Closing the iterator (or cancelling the task consuming it) before the last Step cancels the gRPC
+        stream, which makes the llm stage abort the sequence and free its KV blocks.
+
+        Raises:
+            OpenAIError: from the stream (classified by message) or from postprocess.
+        """
+        info = await self.info()
+        from_preprocess = {tensor: name for name, tensor in info.preprocess.outputs.items()}
+        inputs = []
+        for llm_input, tensor_name in info.llm.inputs.items():
+            array = prepared.tensors[from_preprocess[tensor_name]]
+            tensor = grpcclient.InferInput(llm_input, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+
+        async def one_request():
+            yield {"model_name": info.llm.model, "inputs": inputs, "request_id": request_id}
+
+        stream = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    finished = True  # the server ended this request itself
+                    raise stream_error(error.message(), prompt_field)
+                outputs = {}
+                for name, tensor in info.llm.outputs.items():
+                    array = result.as_numpy(name)
+                    if array is not None:
+                        outputs[tensor] = array
+                if info.postprocess is not None:
+                    outputs = await self._postprocess(info.postprocess, outputs, prompt_field, request_id)
+                step = self._step(outputs)
+                finished = bool(step.finish_reason)
+                yield step
+                if finished:
+                    return
+            finished = True
+            raise internal(f"the {info.llm.model} stream ended before its final response")
+        except grpc.aio.AioRpcError as exc:
+            finished = True
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise unavailable(f"Triton is unavailable: {exc.details()}") from None
+            raise internal(f"the {info.llm.model} stream failed: {exc.code().name}: {exc.details()}") from None
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def _postprocess(self, step: StepWiring, outputs: dict, prompt_field: str, request_id: str) -> dict:
+        inputs = []
+        for name, tensor_name in step.inputs.items():
+            array = outputs.get(tensor_name)
+            if array is None:
+                continue
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            result = await self.client.infer(step.model, inputs, request_id=request_id)
+        except InferenceServerException as exc:
+            raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
+        return {tensor: result.as_numpy(name) for name, tensor in step.outputs.items()}
+
+    @staticmethod
+    def _step(outputs: dict) -> Step:
+        logprobs_json = _scalar(outputs.get("output_logprobs"), "")
+        try:
+            logprobs = json.loads(logprobs_json) if logprobs_json else None
+        except json.JSONDecodeError as exc:
+            raise internal(f"output_logprobs is not valid JSON: {exc.msg}") from None
+        return Step(
+            text=_scalar(outputs.get("text_output"), ""),
+            finish_reason=_scalar(outputs.get("finish_reason"), "") or None,
+            prompt_tokens=int(_scalar(outputs.get("prompt_tokens"), 0)),
+            completion_tokens=int(_scalar(outputs.get("completion_tokens"), 0)),
+            logprobs=logprobs,
+        )
+
+
+__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonPipeline"]

@@ -1,7 +1,9 @@
-"""`python -m omni_backend.serve`: run tritonserver on the rendered model repository until Ctrl-C/SIGTERM.
+"""`python -m omni_backend.serve`: run tritonserver on the rendered model repository, and the OpenAI-compatible
+front door beside it, until Ctrl-C/SIGTERM.
 
 Started by `scripts/serve.sh` after setup. Ports come from flags, else `OMNI_HTTP_PORT`, `OMNI_GRPC_PORT`,
-`OMNI_METRICS_PORT`, else 8000/8001/8002.
+`OMNI_METRICS_PORT`, `OMNI_OPENAI_PORT`, else 8000/8001/8002/9000 (`--openai-port 0` serves without the front
+door; its other settings are in `omni_backend.serving.config`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 import threading
 
 from omni_backend import paths
+from omni_backend.serving.config import ServingConfig
+from omni_backend.serving.process import FrontDoorProcess
 from omni_backend.triton_server import TritonServer, TritonServerError
 
 USAGE = """\
@@ -29,9 +33,25 @@ omni_chat is ready. Try:
   metrics:        http://localhost:{metrics}/metrics
 Ctrl-C stops the server."""
 
+OPENAI_USAGE = """\
+OpenAI API on localhost:{openai} (any OpenAI client with base_url http://localhost:{openai}/v1):
+  curl -s localhost:{openai}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "omni_chat", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+"""
+
 
 def _port(value: str | None, default: int) -> int:
     return int(value) if value else default
+
+
+def _front_door_config(args) -> ServingConfig:
+    """Front door settings: the environment's (OMNI_API_KEY, ...), pointed at this tritonserver's ports."""
+    config = ServingConfig.from_env()
+    config.port = args.openai_port
+    config.triton_grpc = f"localhost:{args.grpc_port}"
+    config.triton_http = f"localhost:{args.http_port}"
+    config.triton_metrics_url = f"http://localhost:{args.metrics_port}/metrics"
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=_port(os.environ.get("OMNI_HTTP_PORT"), 8000))
     parser.add_argument("--grpc-port", type=int, default=_port(os.environ.get("OMNI_GRPC_PORT"), 8001))
     parser.add_argument("--metrics-port", type=int, default=_port(os.environ.get("OMNI_METRICS_PORT"), 8002))
+    parser.add_argument("--openai-port", type=int, default=_port(os.environ.get("OMNI_OPENAI_PORT"), 9000),
+                        help="port of the OpenAI-compatible front door (0: do not start it)")
     parser.add_argument("--model-repository", default=str(paths.rendered_repository_dir()))
     parser.add_argument("--exit-timeout-secs", type=int, default=int(os.environ.get("OMNI_EXIT_TIMEOUT_SECS", "30")))
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for all models")
@@ -60,16 +82,25 @@ def main(argv: list[str] | None = None) -> int:
               f"metrics {args.metrics_port}) on {args.model_repository}", flush=True)
         server.start(ready_timeout_s=args.ready_timeout)
         started.append(server)
-        # OpenAI-compatible front door: start it here (its own port) and append it to `started`.
+        if args.openai_port:
+            front_door = FrontDoorProcess(_front_door_config(args))
+            print(f"[serve] starting the OpenAI front door on port {args.openai_port}", flush=True)
+            front_door.start()
+            started.append(front_door)
+        if args.openai_port:
+            print(OPENAI_USAGE.format(openai=args.openai_port), flush=True)
         print(USAGE.format(http=args.http_port, grpc=args.grpc_port, metrics=args.metrics_port), flush=True)
         while not stop.is_set():
             if server.process is None or server.process.poll() is not None:
                 print("[serve] tritonserver exited", file=sys.stderr)
                 return 1
+            if any(s.process is not None and s.process.poll() is not None for s in started[1:]):
+                print("[serve] the OpenAI front door exited", file=sys.stderr)
+                return 1
             stop.wait(1.0)
         print("[serve] stopping", flush=True)
         return 0
-    except TritonServerError as exc:
+    except (TritonServerError, RuntimeError) as exc:
         print(f"[serve] {exc}", file=sys.stderr)
         return 1
     finally:

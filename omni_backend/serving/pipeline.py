@@ -28,7 +28,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from omni_backend.serving.errors import OpenAIError, grpc_status_error, internal, stream_error, unavailable
+from omni_backend.serving.errors import (OpenAIError, grpc_status_error, internal, invalid, stream_error,
+                                         unavailable)
 
 
 @dataclass
@@ -189,7 +190,11 @@ class TritonPipeline:
                 raise internal(f"model '{info.preprocess.model}' has no input '{stage_name}'")
             items = value if isinstance(value, (list, tuple)) else [value]
             if datatype == "BYTES":
-                array = np.array([str(v).encode("utf-8") for v in items], dtype=np.object_)
+                try:
+                    array = np.array([str(v).encode("utf-8") for v in items], dtype=np.object_)
+                except UnicodeEncodeError:  # JSON allows unpaired surrogates ("\ud800"); UTF-8 does not
+                    field = {"text_input": prompt_field, "stop_words": "stop"}.get(name, name)
+                    raise invalid(f"{field} is not valid Unicode (it holds an unpaired surrogate)", field) from None
             else:
                 array = np.array(items, dtype=grpcclient.triton_to_np_dtype(datatype))
             tensor = grpcclient.InferInput(stage_name, list(array.shape), datatype)

@@ -185,6 +185,10 @@ def test_c14_include_usage_gives_exactly_one_usage_chunk(api, front_door):
     (b"null", {"Content-Type": "application/json"}, 400),
     (b"123", {"Content-Type": "application/json"}, 400),
     (b'"text"', {"Content-Type": "application/json"}, 400),
+    (b'{"model": "omni_chat", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     {"Content-Type": "application/json"}, 400),
+    (b'{"model": "omni_chat", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "stop": "\\udfff"}',
+     {"Content-Type": "application/json"}, 400),
     (b"\xff\xfe{}", {"Content-Type": "application/json"}, 400),
 ])
 def test_c15_bad_bodies(api, path, raw, headers, expected):

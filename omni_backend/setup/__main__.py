@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from omni_backend import paths, repository
-from omni_backend.setup import runtime, smollm2
+from omni_backend.setup import runtime, smollm2, tiny_multimodal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime.ensure_runtime()
         if not args.skip_model:
             smollm2.ensure_checkpoint()
+            tiny_multimodal.ensure_encoders()
         output = paths.rendered_repository_dir()
         if repository.render_repository(output):
             print(f"[setup] rendered model repository {output}")

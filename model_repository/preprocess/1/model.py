@@ -4,14 +4,15 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.stages.preprocess import INPUT_NAMES, Preprocessor
+from omni_backend.stages.preprocess import INPUT_NAMES, MediaConfig, Preprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
         parameters = json.loads(args["model_config"]).get("parameters", {})
         setting = {key: value["string_value"] for key, value in parameters.items()}
-        self.stage = Preprocessor.from_pretrained(setting["llm_model_path"], int(setting["max_model_len"]))
+        self.stage = Preprocessor.from_pretrained(setting["llm_model_path"], int(setting["max_model_len"]),
+                                                  MediaConfig.from_parameters(setting))
 
     def execute(self, requests):
         responses = []

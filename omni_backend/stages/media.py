@@ -1,0 +1,187 @@
+"""Media decoding and limits for image and audio content parts (used by the preprocess stage).
+
+Images arrive as `data:` URIs (PNG, JPEG or WebP; http(s) URLs only when `allow_http` is set, off by default)
+and become the vision encoder's input: RGB, resized to the encoder's square size with bicubic filtering and
+normalized with its mean/std, as SigLIP's image processor does. Audio arrives base64-encoded (WAV, FLAC, OGG
+and MP3, recognized by content with libsndfile through `soundfile`), is mixed to mono and resampled to 16 kHz.
+
+Every bad input raises `ValueError` whose message names the content part (e.g. `messages[0].content[1]`) and,
+for oversize media, the limit; nothing else escapes, so the caller answers 400 and stays healthy.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+
+SAMPLE_RATE = 16_000
+IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
+
+
+@dataclass
+class MediaLimits:
+    """Configurable limits (preprocess config parameters of the same names).
+
+    Attributes:
+        max_image_bytes: encoded size of one image.
+        max_image_pixels: width x height of one decoded image (decompression bombs stop here; smaller images of
+            any size are resized to the encoder's input size).
+        max_audio_bytes: encoded size of one audio clip.
+        max_audio_seconds: duration of one audio clip.
+        max_media_parts: image + audio parts in one request.
+        allow_http: fetch http(s) image URLs (off by default: the server would fetch arbitrary URLs).
+    """
+
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 8192 * 8192
+    max_audio_bytes: int = 10 * 1024 * 1024
+    max_audio_seconds: float = 30.0
+    max_media_parts: int = 8
+    allow_http: bool = False
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> "MediaLimits":
+        """Limits from string parameters; empty or missing values keep the defaults.
+
+        Raises:
+            ValueError: a value that is not a positive number (naming the parameter).
+        """
+        values = {}
+        for name, default in cls().__dict__.items():
+            text = str(parameters.get(name, "") or "").strip()
+            if not text:
+                continue
+            if isinstance(default, bool):
+                values[name] = text.lower() in ("1", "true", "yes", "on")
+                continue
+            try:
+                value = type(default)(float(text)) if isinstance(default, int) else float(text)
+            except ValueError:
+                raise ValueError(f"parameter {name} must be a number, got {text!r}") from None
+            if value <= 0:
+                raise ValueError(f"parameter {name} must be positive, got {text!r}")
+            values[name] = value
+        return cls(**values)
+
+
+def _b64decode(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: data is not valid base64") from None
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1024 * 1024):g} MiB"
+
+
+def image_bytes_from_url(url: str, where: str, limits: MediaLimits) -> bytes:
+    """The encoded image of an `image_url.url`: a `data:image/...;base64,` URI (or http(s) when allowed).
+
+    Raises:
+        ValueError: malformed URI, bad base64, a disallowed scheme, or more than `max_image_bytes`.
+    """
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or ";base64" not in header:
+            raise ValueError(f"{where}: image_url must be a base64 data URI (data:image/png;base64,...)")
+        if len(payload) * 3 // 4 > limits.max_image_bytes + 3:
+            raise ValueError(f"{where}: image is larger than the limit of {_mb(limits.max_image_bytes)}")
+        data = _b64decode(payload, where)
+    elif url.startswith(("http://", "https://")):
+        if not limits.allow_http:
+            raise ValueError(f"{where}: http(s) image URLs are disabled on this server; send a data: URI")
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                data = response.read(limits.max_image_bytes + 1)
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot fetch the image URL: {exc}") from None
+    else:
+        raise ValueError(f"{where}: image_url must be a data: URI")
+    if len(data) > limits.max_image_bytes:
+        raise ValueError(f"{where}: image is larger than the limit of {_mb(limits.max_image_bytes)}")
+    return data
+
+
+def decode_image(data: bytes, where: str, limits: MediaLimits, size: int, mean, std) -> np.ndarray:
+    """Encoded PNG/JPEG/WebP -> float32 [3, size, size] normalized pixels (SigLIP-style processing).
+
+    Large JPEGs are decoded at a reduced scale (`draft`) before resizing, which keeps an 8000x8000 photo cheap.
+
+    Raises:
+        ValueError: not an image, an unsupported format, or more than `max_image_pixels`.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise ValueError(f"{where}: the data is not a PNG, JPEG or WebP image") from None
+    if image.format not in IMAGE_FORMATS:
+        raise ValueError(f"{where}: unsupported image format {image.format}; use PNG, JPEG or WebP")
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise ValueError(f"{where}: image has {width}x{height} pixels, over the limit of "
+                         f"{limits.max_image_pixels} pixels")
+    try:
+        if image.format == "JPEG":
+            image.draft("RGB", (size, size))
+        image = image.convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{where}: the image cannot be decoded ({type(exc).__name__})") from None
+    pixels = np.asarray(image, dtype=np.float32) / 255.0
+    pixels = (pixels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def decode_audio(data: str, where: str, limits: MediaLimits) -> np.ndarray:
+    """Base64 audio (WAV/FLAC/OGG/MP3, recognized by content; the declared format is not trusted) -> float32
+    mono samples at 16 kHz.
+
+    Raises:
+        ValueError: bad base64, "unsupported audio format" for bytes libsndfile cannot read, over
+            `max_audio_bytes` or `max_audio_seconds`, or an empty clip.
+    """
+    import soundfile
+
+    if len(data) * 3 // 4 > limits.max_audio_bytes + 3:
+        raise ValueError(f"{where}: audio is larger than the limit of {_mb(limits.max_audio_bytes)}")
+    raw = _b64decode(data, where)
+    if len(raw) > limits.max_audio_bytes:
+        raise ValueError(f"{where}: audio is larger than the limit of {_mb(limits.max_audio_bytes)}")
+    try:
+        with soundfile.SoundFile(io.BytesIO(raw)) as clip:
+            rate, frames = clip.samplerate, clip.frames
+            seconds = frames / rate if rate > 0 else 0
+            if seconds > limits.max_audio_seconds:
+                raise ValueError(f"{where}: audio lasts {seconds:.1f} s, over the limit of "
+                                 f"{limits.max_audio_seconds:g} s")
+            samples = clip.read(dtype="float32", always_2d=True)
+    except ValueError:
+        raise
+    except Exception:  # soundfile.LibsndfileError (a RuntimeError) and friends: not audio it can read
+        raise ValueError(f"{where}: unsupported audio format (send WAV, FLAC, OGG or MP3)") from None
+    samples = samples.mean(axis=1)
+    if samples.size == 0:
+        raise ValueError(f"{where}: the audio clip is empty")
+    if samples.size / rate > limits.max_audio_seconds:  # frame counts of some formats are only estimates
+        raise ValueError(f"{where}: audio lasts {samples.size / rate:.1f} s, over the limit of "
+                         f"{limits.max_audio_seconds:g} s")
+    return resample(samples, rate, SAMPLE_RATE)
+
+
+def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
+    """Band-limited resampling by the FFT (exact for signals below both Nyquist rates)."""
+    if rate == target:
+        return samples.astype(np.float32)
+    n_out = max(1, int(round(samples.size * target / rate)))
+    spectrum = np.fft.rfft(samples.astype(np.float64))
+    keep = n_out // 2 + 1
+    out = np.zeros(keep, dtype=np.complex128)
+    out[: min(keep, spectrum.size)] = spectrum[: min(keep, spectrum.size)]
+    return (np.fft.irfft(out, n_out) * (n_out / samples.size)).astype(np.float32)

@@ -1,0 +1,114 @@
+"""Encoder checkpoints (vision/audio tower + projector) and the batched encoder stage shared by both.
+
+Checkpoint folder layout: `config.json` (the tower's transformers config), `model.safetensors` (tower and
+projector weights) and `omni_media.json` (`MediaSpec`: kind, placeholder token, LLM hidden size, pooling,
+processor settings). The preprocess stage reads only `omni_media.json`; the encoder stages load everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from omni_backend import paths
+
+SPEC_FILE = "omni_media.json"
+DEFAULT_DIRS = {"image": "tiny-omni-vision", "audio": "tiny-omni-audio"}
+ENV_VARS = {"image": "OMNI_VISION_MODEL_PATH", "audio": "OMNI_AUDIO_MODEL_PATH"}
+
+
+@dataclass
+class MediaSpec:
+    """What the preprocess stage needs to know about an encoder (stored as `omni_media.json`)."""
+
+    kind: str  # "image" or "audio"
+    placeholder_token: str  # the LLM token written at each embedding position
+    hidden_size: int  # LLM hidden size (projector output)
+    pool: int
+    tokens: int  # tokens per image; per 30 s window for audio (clips use fewer)
+    processor: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "MediaSpec":
+        return cls(**json.loads((Path(folder) / SPEC_FILE).read_text()))
+
+
+def encoder_path(kind: str, configured: str = "") -> Path:
+    """Checkpoint folder: the configured path, else `$OMNI_VISION_MODEL_PATH`/`$OMNI_AUDIO_MODEL_PATH`, else the
+    tiny random default under `<cache>/models/`."""
+    return Path(configured or os.environ.get(ENV_VARS[kind]) or paths.models_dir() / DEFAULT_DIRS[kind]).absolute()
+
+
+def save_encoder(model, folder: Path, placeholder_token: str) -> None:
+    """Write an encoder (VisionEncoder/AudioEncoder) as a checkpoint folder."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(model.config.to_json_string())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / SPEC_FILE).write_text(json.dumps(asdict(model.spec(placeholder_token)), indent=2))
+
+
+def load_encoder(folder: str | Path, device: str = "cpu", dtype=None):
+    """Load a checkpoint folder written by `save_encoder` (eval mode)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from omni_backend.stages.audio import AudioEncoder
+    from omni_backend.stages.vision import VisionEncoder
+
+    folder = Path(folder)
+    spec = MediaSpec.load(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("transformers_version", None)
+    cls = {"image": VisionEncoder, "audio": AudioEncoder}[spec.kind]
+    model = cls.from_config(config, spec)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    return model.to(device=device, dtype=dtype or torch.float32).eval()
+
+
+class EncoderStage:
+    """Runs one encoder on a dynamic batch: every request's rows are concatenated into one forward pass.
+
+    Args:
+        model: a loaded VisionEncoder or AudioEncoder.
+    """
+
+    def __init__(self, model, device: str = "cpu"):
+        self.model, self.device = model, device
+        self.dtype = next(model.parameters()).dtype
+
+    def run(self, batches: list[np.ndarray]) -> list[np.ndarray]:
+        """Arrays [b_i, ...] per request -> float32 embeddings [b_i, tokens, hidden] per request.
+
+        Raises:
+            ValueError: requests whose item shapes differ (Triton batches only equal shapes).
+        """
+        import torch
+
+        shapes = {tuple(a.shape[1:]) for a in batches}
+        if len(shapes) != 1:
+            raise ValueError(f"encoder inputs in one batch must have equal shapes, got {sorted(shapes)}")
+        sizes = [a.shape[0] for a in batches]
+        stacked = torch.from_numpy(np.concatenate(batches).astype(np.float32))
+        with torch.inference_mode():
+            out = self.model(stacked.to(self.device, self.dtype)).float().cpu().numpy()
+        return list(np.split(out, np.cumsum(sizes)[:-1]))
+
+
+def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
+    """The encoder stage from a model's config parameters (`model_path`, `device`, `dtype`)."""
+    import torch
+
+    device = parameters.get("device") or "auto"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype_name = parameters.get("dtype") or "auto"
+    dtype = torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name)
+    if dtype_name == "auto" and device.startswith("cuda"):
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return EncoderStage(load_encoder(encoder_path(kind, parameters.get("model_path", "")), device, dtype), device)

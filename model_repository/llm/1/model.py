@@ -4,9 +4,11 @@ import json
 import uuid
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.ops.governor import NotAdmitting
 from omni_backend.stages.llm import create_service
 
@@ -46,6 +48,18 @@ class _Sink:
         return self.sender.is_cancelled()
 
 
+def _prompt_embeds(request):
+    """The optional `prompt_embeds` + `prompt_embed_positions` inputs as a PromptEmbeds (None when absent)."""
+    embeds = pb_utils.get_input_tensor_by_name(request, "prompt_embeds")
+    positions = pb_utils.get_input_tensor_by_name(request, "prompt_embed_positions")
+    if embeds is None and positions is None:
+        return None
+    if embeds is None or positions is None:
+        raise ValueError("prompt_embeds and prompt_embed_positions must be given together")
+    return PromptEmbeds(torch.from_numpy(positions.as_numpy().astype(np.int64).reshape(-1)),
+                        torch.from_numpy(np.array(embeds.as_numpy(), dtype=np.float32)))
+
+
 class TritonPythonModel:
     def initialize(self, args):
         parameters = json.loads(args["model_config"]).get("parameters", {})
@@ -62,7 +76,7 @@ class TritonPythonModel:
                 text = pb_utils.get_input_tensor_by_name(request, "sampling_params").as_numpy().reshape(-1)[0]
                 params = SamplingParams.from_json(text.decode("utf-8") if isinstance(text, bytes) else text)
                 request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
-                self.service.submit(request_id, ids, params, sink)
+                self.service.submit(request_id, ids, params, sink, prompt_embeds=_prompt_embeds(request))
             except (ValueError, UnicodeDecodeError) as exc:
                 sink.fail(str(exc))
             except NotAdmitting as exc:  # critical GPU temperature: HTTP 503, gRPC UNAVAILABLE

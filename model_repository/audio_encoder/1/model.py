@@ -1,0 +1,24 @@
+"""Triton glue for the audio_encoder stage (dynamic batching); the encoder lives in omni_backend/stages."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from omni_backend.stages.media_encoder import create_stage
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        self.stage = create_stage("audio", {k: v["string_value"] for k, v in parameters.items()})
+
+    def execute(self, requests):
+        arrays = [pb_utils.get_input_tensor_by_name(r, "input_features").as_numpy() for r in requests]
+        try:
+            outputs = self.stage.run(arrays)
+        except ValueError as exc:
+            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+            return [pb_utils.InferenceResponse(error=error) for _ in requests]
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("embeddings", np.ascontiguousarray(o))])
+                for o in outputs]

@@ -102,10 +102,15 @@ def client_error(message: str, prompt_field: str) -> OpenAIError:
         field = prompt_field if TENSOR_FIELDS[param] == "prompt" else TENSOR_FIELDS[param]
         message = field + message[len(param):]
         param = field
+        part = _CONTENT_PART.match(message[len(field) + 1:])
+        if part:  # an image/audio part preprocess refused: "messages[i].content[j] (type): ..." names the part
+            message, param = message[len(field) + 1:], part.group(1)
     elif param not in _KNOWN_FIELDS:
         param = None
     return invalid(message, param)
 
+
+_CONTENT_PART = re.compile(r"(messages\[\d+\]\.content\[\d+\]) \((?:image_url|input_audio)\)")
 
 _KNOWN_FIELDS = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",

@@ -74,6 +74,7 @@ class Prepared:
     prompt_tokens: int
     prompt_text: str
     generate: bool = True  # False for max_tokens 0: nothing to generate
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # llm inputs beyond the ensemble's (prompt_embeds)
 
 
 @dataclass
@@ -85,6 +86,10 @@ class Step:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[dict] | None
+
+
+# Content-part kind -> (encoder model, its input), as preprocess's media outputs name them.
+MEDIA_ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
 
 def _datatype(config_type: str) -> str:
@@ -208,9 +213,43 @@ class TritonPipeline:
         ids = result.as_numpy("input_ids")
         prompt_tokens = int(ids.size) if ids is not None else 0
         prompt_text = _scalar(result.as_numpy("prompt_text"), "")
+        extra = {}
+        if result.as_numpy("media_parts") is not None:
+            extra = await self._encode_media(result, prompt_field, request_id)
         if max_tokens is None and info.max_model_len is not None:
             tensors = self._with_max_tokens(tensors, info, max(1, info.max_model_len - prompt_tokens))
-        return Prepared(tensors, prompt_tokens, prompt_text, generate=max_tokens != 0)
+        return Prepared(tensors, prompt_tokens, prompt_text, generate=max_tokens != 0, extra=extra)
+
+    async def _encode_media(self, result, prompt_field: str, request_id: str) -> dict[str, np.ndarray]:
+        """Run every image/audio of a preprocessed request through its encoder stage, one Triton request per
+        item, all at once (the encoders' dynamic batchers merge concurrent items, also across client requests).
+
+        Returns:
+            the llm's `prompt_embeds` [k, hidden] and `prompt_embed_positions` [k] (preprocess's placeholder
+            positions, in the same order as the parts).
+        """
+        parts = json.loads(_scalar(result.as_numpy("media_parts")))
+        positions = result.as_numpy("media_positions").reshape(-1).astype(np.int32)
+        inputs = {"image": result.as_numpy("pixel_values"), "audio": result.as_numpy("input_features")}
+        seen = {"image": 0, "audio": 0}
+        calls = []
+        for part in parts:
+            kind = part["kind"]
+            model, input_name = MEDIA_ENCODERS[kind]
+            item = inputs[kind][seen[kind]:seen[kind] + 1]
+            seen[kind] += 1
+            tensor = grpcclient.InferInput(input_name, list(item.shape), "FP32")
+            tensor.set_data_from_numpy(np.ascontiguousarray(item, dtype=np.float32))
+            calls.append(self.client.infer(model, [tensor], request_id=request_id))
+        try:
+            results = await asyncio.gather(*calls)
+        except InferenceServerException as exc:
+            raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
+        embeds = [r.as_numpy("embeddings")[0, :part["tokens"]] for r, part in zip(results, parts)]
+        embeds = np.ascontiguousarray(np.concatenate(embeds), dtype=np.float32)
+        if embeds.shape[0] != positions.size:
+            raise internal(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")
+        return {"prompt_embeds": embeds, "prompt_embed_positions": positions}
 
     @staticmethod
     def _with_max_tokens(tensors: dict, info: PipelineInfo, max_tokens: int) -> dict:
@@ -237,6 +276,10 @@ class TritonPipeline:
         for llm_input, tensor_name in info.llm.inputs.items():
             array = prepared.tensors[from_preprocess[tensor_name]]
             tensor = grpcclient.InferInput(llm_input, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        for name, array in prepared.extra.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
 

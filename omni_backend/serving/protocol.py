@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omni_backend.serving.errors import OpenAIError, invalid
 
 MAX_SEED = 2**63 - 1
+MEDIA_PARTS = ("image_url", "input_audio")  # content parts sent on to preprocess, which decodes them
 
 
 class StreamOptions(BaseModel):
@@ -118,10 +119,11 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def messages_json(self) -> list[dict]:
-        """The messages as the preprocess stage takes them: role + text content (string or text parts).
+        """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
+        input_audio parts; preprocess decodes the media and answers 400 naming the part for bad media).
 
         Raises:
-            OpenAIError: a content part that is not text (image_url, input_audio, ...), naming it.
+            OpenAIError: a content part of another type (input_image, file, ...), naming it.
         """
         out = []
         for i, message in enumerate(self.messages):
@@ -129,15 +131,22 @@ class ChatCompletionRequest(_Request):
             if content is None:
                 content = ""
             elif isinstance(content, list):
+                parts = []
                 for j, part in enumerate(content):
                     kind = part.get("type")
                     where = f"messages[{i}].content[{j}]"
-                    if kind in ("image_url", "input_audio", "input_image", "file", "video_url", "audio_url"):
-                        raise invalid(f"{where}: content part type '{kind}' is not supported by this server yet "
-                                      "(text only)", where)
+                    if kind in MEDIA_PARTS:  # decoded and checked by preprocess (omni_backend/stages/media.py)
+                        if not isinstance(part.get(kind), (dict, str)):
+                            raise invalid(f"{where} ({kind}) must have an object '{kind}'", where)
+                        parts.append({"type": kind, kind: part[kind]})
+                        continue
+                    if kind in ("input_image", "file", "video_url", "audio_url"):
+                        raise invalid(f"{where}: content part type '{kind}' is not supported by this server "
+                                      "(text, image_url and input_audio are)", where)
                     if kind != "text" or not isinstance(part.get("text"), str):
                         raise invalid(f"{where} must be {{\"type\": \"text\", \"text\": string}}", where)
-                content = [{"type": "text", "text": part["text"]} for part in content]
+                    parts.append({"type": "text", "text": part["text"]})
+                content = parts
             role = "system" if message.role == "developer" else message.role
             out.append({"role": role, "content": content})
         return out

@@ -1,0 +1,49 @@
+"""A tritonserver with the multimodal chat pipeline (fp32, so batched and one-by-one answers compare exactly)
+and a front door on it, for this folder's server tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from chat_client import free_ports
+
+from omni_backend import repository
+from omni_backend.triton_server import TritonServer
+
+MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "audio_encoder"]
+
+
+@pytest.fixture(scope="module")
+def mm_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("triton-mm")
+    repository.render_repository(root / "model_repository", models=MODELS, dtype="float32",
+                                 kv_cache_bytes=64 * 1024 * 1024, max_num_seqs=16)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
+                          exit_timeout_s=5, log_file=root / "tritonserver.log", env={"TRITON_INTERPRET": None})
+    server.start(ready_timeout_s=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mm_front_door(mm_server):
+    import uvicorn
+
+    from omni_backend.serving import ServingConfig, create_app
+
+    (port,) = free_ports(1)
+    config = ServingConfig(triton_grpc=mm_server.grpc_url, triton_http=mm_server.http_url,
+                           triton_metrics_url=mm_server.metrics_url, port=port, host="127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "front door did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)

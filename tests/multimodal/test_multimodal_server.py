@@ -1,0 +1,133 @@
+"""Image and audio input through the OpenAI front door on a real tritonserver (issue 5 acceptance, c07, c08).
+
+The default encoders are random: these tests check the serving path (decode, encode, batch, splice), not what
+the model says about the picture.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+
+import numpy as np
+import pytest
+import requests
+from media_inputs import audio_bytes, audio_part, image_bytes, image_part, speech
+
+from omni_backend.stages.audio import HOP_LENGTH, tokens_for_frames
+
+pytestmark = pytest.mark.server
+
+IMAGE_TOKENS = 49
+
+
+def chat(url, *parts, text="What is in this picture?", max_tokens=8):
+    content = [{"type": "text", "text": text}, *parts]
+    body = {"model": "omni_chat", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}
+    response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    return response.status_code, response.json()
+
+
+def answer(body) -> tuple[str, int]:
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
+
+
+def assert_ok(status, body):
+    assert status == 200, body
+    text, _ = answer(body)
+    assert isinstance(text, str) and text, body
+    return body
+
+
+def assert_400(status, body, param, fragment):
+    assert status == 400, body
+    assert body["error"]["param"] == param, body
+    assert fragment in body["error"]["message"], body
+    for internal in ("Traceback", "LibsndfileError", "soundfile", "PIL", "File \""):
+        assert internal not in body["error"]["message"], body
+
+
+@pytest.fixture(scope="module")
+def text_only_tokens(mm_front_door):
+    """Prompt tokens of the text alone, plus the newline that joins a part to it."""
+    status, body = chat(mm_front_door, {"type": "text", "text": ""})
+    assert_ok(status, body)
+    return body["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("fmt,mime", [("PNG", "image/png"), ("JPEG", "image/jpeg")])
+def test_astronaut_photo_answers_with_text_and_counts_placeholders(mm_front_door, text_only_tokens, fmt, mime):
+    status, body = chat(mm_front_door, image_part(image_bytes(fmt), mime))
+    assert_ok(status, body)
+    assert body["usage"]["prompt_tokens"] == text_only_tokens + IMAGE_TOKENS
+
+
+def test_speech_wav_answers_with_text_and_counts_placeholders(mm_front_door, text_only_tokens):
+    samples, rate = speech()
+    status, body = chat(mm_front_door, audio_part(audio_bytes("WAV")), text="What was said?")
+    assert_ok(status, body)
+    frames = -(-round(samples.size * 16000 / rate) // HOP_LENGTH)
+    status, plain = chat(mm_front_door, {"type": "text", "text": ""}, text="What was said?")
+    assert body["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + tokens_for_frames(frames, 4)
+
+
+def _stats(server, model):
+    stats = requests.get(f"{server.http_url if server.http_url.startswith('http') else 'http://' + server.http_url}"
+                         f"/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+def test_concurrent_image_requests_equal_one_by_one_and_batch_in_the_encoder(mm_front_door, mm_server):
+    from skimage import data
+
+    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    parts = [image_part(image_bytes("PNG", photo)) for photo in photos]
+    one_by_one = [answer(assert_ok(*chat(mm_front_door, part, max_tokens=12))) for part in parts]
+    before = _stats(mm_server, "vision_encoder")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda part: answer(assert_ok(*chat(mm_front_door, part, max_tokens=12))),
+                                 parts))
+    after = _stats(mm_server, "vision_encoder")
+    assert together == one_by_one
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == 4 and executions < inferences, (inferences, executions)
+
+
+def test_c07_huge_jpeg_is_resized_and_an_oversize_image_is_refused(mm_front_door, text_only_tokens):
+    big = np.zeros((8000, 8000, 3), dtype=np.uint8)
+    big[::40] = 200
+    status, body = chat(mm_front_door, image_part(image_bytes("JPEG", big, quality=40), "image/jpeg"))
+    assert_ok(status, body)
+    assert body["usage"]["prompt_tokens"] == text_only_tokens + IMAGE_TOKENS
+    noise = np.random.default_rng(0).integers(0, 256, (2100, 2100, 3), dtype=np.uint8)
+    oversize = image_bytes("PNG", noise)
+    assert len(oversize) > 10 * 1024 * 1024
+    status, body = chat(mm_front_door, image_part(oversize))
+    assert_400(status, body, "messages[0].content[1]", "limit of 10 MiB")
+    small = image_bytes("PNG", (np.arange(32 * 32 * 3) % 256).astype(np.uint8).reshape(32, 32, 3))
+    assert_ok(*chat(mm_front_door, image_part(small)))
+
+
+def test_c08_mp3_declared_as_wav_decodes_and_text_as_audio_is_unsupported(mm_front_door):
+    samples, rate = speech()
+    status, body = chat(mm_front_door, audio_part(audio_bytes("MP3", samples, rate), "wav"), text="What was said?")
+    assert_ok(status, body)
+    text_file = io.BytesIO(b"Just some text pretending to be audio.\n" * 30).getvalue()
+    status, body = chat(mm_front_door, audio_part(text_file, "wav"), text="What was said?")
+    assert_400(status, body, "messages[0].content[1]", "unsupported audio format")
+    assert_ok(*chat(mm_front_door, text="Say hi."))
+
+
+@pytest.mark.parametrize("parts,param,fragment", [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}], "messages[0].content[1]",
+     "not valid base64"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "messages[0].content[1]",
+     "not a PNG, JPEG or WebP image"),
+    ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}], "messages[0].content[1]",
+     "disabled"),
+    ([image_part(b"x")] * 9, "messages[0].content[9]", "limit is 8 per request"),
+])
+def test_bad_media_is_a_400_naming_the_part_and_the_next_request_works(mm_front_door, parts, param, fragment):
+    assert_400(*chat(mm_front_door, *parts), param, fragment)
+    assert_ok(*chat(mm_front_door, text="Say hi."))

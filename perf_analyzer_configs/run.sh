@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One perf_analyzer command per model and ensemble, with its input data from this folder:
 #   perf_analyzer_configs/run.sh MODEL [perf_analyzer flags; default --concurrency-range 2 --request-count 16]
-# MODEL: omni_chat, omni_speech (ensembles), preprocess, llm, postprocess, speech_options, tts.
+# MODEL: omni_chat, omni_speech (ensembles), preprocess, llm, postprocess, speech_options, tts,
+#        vision_encoder, audio_encoder (zero inputs of the default encoders' shapes; dynamic batching).
 # Decoupled models and ensembles that contain one need gRPC streaming; the others use plain gRPC.
 # Server: OMNI_GRPC_URL (default localhost:8001, what scripts/serve.sh listens on).
 set -euo pipefail
@@ -10,7 +11,7 @@ model="${1:?usage: run.sh MODEL [perf_analyzer flags]}"
 shift
 case "$model" in
   omni_chat|omni_speech|llm|tts) mode=(--async --streaming) ;;   # decoupled, or an ensemble around one
-  preprocess|postprocess|speech_options) mode=() ;;
+  preprocess|postprocess|speech_options|vision_encoder|audio_encoder) mode=() ;;
   *) echo "run.sh: unknown model $model" >&2; exit 2 ;;
 esac
 data="$HERE/$model.json"

@@ -276,7 +276,9 @@ def bench_llama_cpp(questions_per_level: dict, new_tokens: int) -> dict:
     log = open(BENCH_CACHE / "llama-cpp-server.log", "w")
     server = subprocess.Popen([str(python), "-m", "llama_cpp.server", "--model", str(gguf_file()), "--host",
                                "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads",
-                               str(os.cpu_count() or 2)], stdout=log, stderr=subprocess.STDOUT,
+                               str(os.cpu_count() or 2),
+                               # by default a new request interrupts the running one; queue them instead
+                               "--interrupt_requests", "False"], stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -317,10 +319,13 @@ def report(name: str, level: dict) -> None:
 
 
 def ratios(peers: dict) -> dict:
+    """ours / peer, for levels where every request of both completed."""
+    def clean(name):
+        return {c: lv for c, lv in peers.get(name, {}).get("levels", {}).items() if not lv["errors"]}
+
     out = {}
-    ours = peers.get("omni_chat", {}).get("levels", {})
-    hf = peers.get("hf", {}).get("levels", {}).get("1")
-    llama = peers.get("llama_cpp", {}).get("levels", {})
+    ours, llama = clean("omni_chat"), clean("llama_cpp")
+    hf = clean("hf").get("1")
     for c, level in ours.items():
         if hf:
             out[f"omni_chat_c{c}/hf_single tok/s"] = level["output_tok_s"] / hf["output_tok_s"]

@@ -24,7 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_backend.ops.metrics import NOT_ADMITTING, governor_states
-from omni_backend.serving import errors, protocol
+from omni_backend.serving import errors, images, protocol, speech
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError, invalid
 from omni_backend.serving.metrics import FrontDoorMetrics, ObserveRequests, triton_metrics
@@ -54,6 +54,9 @@ class FrontDoor:
     async def close(self) -> None:
         for pipeline in self.pipelines.values():
             await pipeline.close()
+        for backend in (getattr(self, "speech", None), getattr(self, "images", None)):  # speech.py, images.py
+            if backend is not None:
+                await backend.close()
         if self.session is not None:
             await self.session.close()
 
@@ -371,6 +374,8 @@ def create_app(config: ServingConfig) -> FastAPI:
     async def chat_completions(request: Request):
         body = await read_json(request, config.max_body_bytes)
         pipeline = door.pipeline_for(body)
+        if speech.wants_audio(body):  # modalities ["text", "audio"]: omni_backend/serving/speech.py
+            return await speech.chat_with_audio(request, door, body, pipeline)
         req = protocol.parse_request(protocol.ChatCompletionRequest, body)
         values = {"text_input": json.dumps(req.messages_json(), ensure_ascii=False), **req.sampling_values(),
                   "stream": req.stream}
@@ -405,8 +410,10 @@ def create_app(config: ServingConfig) -> FastAPI:
         raise invalid(f"The model `{body['model']}` does not support {request.url.path}", "model",
                       "model_not_supported")
 
-    for path in ("/v1/images/generations", "/v1/audio/speech", "/v1/audio/transcriptions", "/v1/embeddings"):
+    for path in ("/v1/audio/transcriptions", "/v1/embeddings"):
         v1.add_api_route(path, unsupported, methods=["POST"])
+    speech.register(v1, door)  # POST /v1/audio/speech
+    images.register(v1, door)  # POST /v1/images/generations
 
     async def serve(request: Request, kind: str, pipeline: TritonPipeline, req, prompts: list[dict],
                     max_tokens: int | None, prompt_field: str):

@@ -1,0 +1,410 @@
+"""Speech out of the front door: `POST /v1/audio/speech`, and chat completions with `"modalities": ["text",
+"audio"]`.
+
+Both use the `tts` stage on Triton (omni_backend/stages/tts.py) with self-contained requests: one gRPC stream
+per piece of text, answered with one response per phrase (the first phrase short, so audio starts early).
+
+- `/v1/audio/speech` sends the whole input as one tts request and streams the audio as it is made (chunked
+  transfer): `pcm` (raw 16-bit little-endian mono at 24 kHz, as OpenAI sends it) and `wav` (a header with
+  open-ended sizes, then the samples at the voice's rate) chunk by chunk; `flac` and `mp3` are encoded once the
+  last chunk is in (mp3 only where the installed libsndfile can write it; otherwise 400 naming the format).
+- chat with audio drives the chat pipeline like text chat (app.Generation: preprocess, the cancellable llm
+  stream, postprocess), cuts the streamed text into phrases with the same `SentenceChunker` the omni_speech
+  ensemble uses, and speaks each phrase as soon as it is complete, while the LLM goes on. The answer carries
+  OpenAI's `message.audio` (id, base64 data, expires_at, transcript); streamed, each text delta is a
+  `delta.audio.transcript` and each phrase's audio a `delta.audio.data` (pcm16 only, as with OpenAI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import AsyncIterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from omni_backend.serving import errors, protocol
+from omni_backend.serving.errors import OpenAIError, invalid
+from omni_backend.stages import tts_audio
+from omni_backend.stages.tts_options import SpeechOptions, check_speed, resolve_voice
+from omni_backend.stages.tts_text import SentenceChunker
+
+TTS_MODEL = "tts"
+# Model names /v1/audio/speech answers to besides the served chat models: the stage's and OpenAI's.
+SPEECH_MODEL_NAMES = (TTS_MODEL, "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+MAX_INPUT_CHARS = 4096
+AUDIO_EXPIRY_S = 3600
+CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI name -> ours
+
+
+class SpeechBackend:
+    """The tts stage over gRPC: text in, (text, samples, sample rate) per phrase out."""
+
+    def __init__(self, grpc_url: str, model: str = TTS_MODEL):
+        self.grpc_url, self.model = grpc_url, model
+        self._client: aio.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> aio.InferenceServerClient:
+        if self._client is None:  # made inside the serving event loop
+            self._client = aio.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def phrases(self, text: str, options: SpeechOptions, field: str = "input",
+                      request_id: str = "") -> AsyncIterator[tuple[str, np.ndarray, int]]:
+        """Speak `text` (one self-contained tts request); yields (phrase, int16 samples, sample rate) in order.
+
+        Closing the iterator early cancels the request.
+
+        Raises:
+            OpenAIError: 400 for the stage's INVALID_ARG (naming `field` for the text), 503/500 otherwise.
+        """
+        tensors = []
+        for name, value in (("text", text), ("options", options.to_json())):
+            array = np.array([value.encode("utf-8")], dtype=np.object_)
+            tensor = grpcclient.InferInput(name, [1], "BYTES")
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+
+        async def one_request():
+            yield {"model_name": self.model, "inputs": tensors, "request_id": request_id}
+
+        stream = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    finished = True
+                    raise _speech_error(error.message(), field)
+                phrase = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
+                samples = result.as_numpy("audio").reshape(-1).astype(np.int16)
+                rate = int(result.as_numpy("sample_rate").reshape(-1)[0])
+                finished = bool(result.as_numpy("finish_reason").reshape(-1)[0])
+                yield phrase, samples, rate
+                if finished:
+                    return
+            finished = True
+            raise errors.internal(f"the {self.model} stream ended before its final response")
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def speak(self, text: str, options: SpeechOptions, field: str = "input") -> tuple[np.ndarray, int]:
+        """The whole audio of `text`: (int16 samples, sample rate)."""
+        pieces, rate = [], 0
+        async for _, samples, rate in self.phrases(text, options, field):
+            pieces.append(samples)
+        return (np.concatenate(pieces) if pieces else np.zeros(0, np.int16)), rate
+
+
+def _speech_error(message: str, field: str) -> OpenAIError:
+    """A tts stage error message -> OpenAIError; "text ..." names `field`, "options: voice ..." names voice."""
+    error = errors.stream_error(message.removeprefix("tts failed: "), "input")
+    if message.startswith("tts failed:"):
+        return errors.internal(message)
+    if error.status == 400:
+        text = error.message
+        if text.startswith("text "):
+            return invalid(field + text[len("text"):], field)
+        if text.startswith("options: "):
+            text = text[len("options: "):]
+            param = text.split(" ")[0].strip("':")
+            return invalid(text, {"audio_format": "response_format"}.get(param, param))
+    return error
+
+
+def _voice(value, field: str) -> str:
+    if isinstance(value, dict):  # OpenAI also takes {"id": "..."} for a custom voice
+        value = value.get("id")
+    if not isinstance(value, str):
+        raise invalid(f"'{field}' is a required property and must be a string", field)
+    try:
+        return resolve_voice(value)
+    except ValueError as exc:
+        raise invalid(str(exc).replace("voice", field, 1), field) from None
+
+
+def _format(value, field: str, allowed: dict[str, str]) -> str:
+    available = set(tts_audio.formats())
+    names = [name for name, ours in allowed.items() if ours in available]
+    if not isinstance(value, str) or value not in allowed or allowed[value] not in available:
+        raise invalid(f"{field} '{value}' is not supported; supported: {', '.join(names)}", field)
+    return allowed[value]
+
+
+def wants_audio(body: dict) -> bool:
+    """True for a chat request that asks for audio output (then `chat_with_audio` serves it)."""
+    modalities = body.get("modalities")
+    return body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities)
+
+
+def register(router: APIRouter, door) -> None:
+    """Add `POST /v1/audio/speech` to the front door's /v1 router (`door`: app.FrontDoor)."""
+    backend = SpeechBackend(door.config.triton_grpc)
+    door.speech = backend
+
+    @router.post("/v1/audio/speech")
+    async def create_speech(request: Request):
+        from omni_backend.serving.app import read_json
+
+        body = await read_json(request, door.config.max_body_bytes)
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise invalid("'model' is a required property", "model")
+        if model not in SPEECH_MODEL_NAMES:
+            door.pipeline_for(body)  # 404 model_not_found unless it is a served model
+        text = body.get("input")
+        if not isinstance(text, str):
+            raise invalid("'input' is a required property and must be a string", "input")
+        if not text.strip():
+            raise invalid("input must not be empty", "input")
+        if len(text) > MAX_INPUT_CHARS:
+            raise invalid(f"input is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input")
+        voice = _voice(body.get("voice"), "voice")
+        audio_format = _format(body.get("response_format", "mp3"), "response_format",
+                               {name: name for name in ("mp3", "wav", "flac", "pcm", "opus", "aac")})
+        try:
+            speed = check_speed(body.get("speed"))
+        except ValueError as exc:
+            raise invalid(str(exc), "speed") from None
+        if body.get("stream_format", "audio") != "audio":
+            raise invalid("stream_format: only 'audio' is supported", "stream_format")
+        options = SpeechOptions(voice=voice, audio_format=audio_format, speed=speed)
+
+        admission = door.admitted()
+        await admission.__aenter__()
+        phrases = backend.phrases(text, options, "input", protocol.new_id("speech"))
+        try:
+            _, first, rate = await phrases.__anext__()  # errors before any audio keep their own status
+            if audio_format in ("flac", "mp3"):  # whole-file formats: encoded once the last phrase is in
+                pieces = [first]
+                async for _, samples, _ in phrases:
+                    pieces.append(samples)
+                data = tts_audio.encode(np.concatenate(pieces), rate, audio_format)
+                await admission.__aexit__(None, None, None)
+                return Response(data, media_type=tts_audio.MEDIA_TYPES[audio_format])
+        except BaseException:
+            await phrases.aclose()
+            await admission.__aexit__(None, None, None)
+            raise
+
+        async def chunks():
+            try:
+                if audio_format == "wav":
+                    yield _streaming_wav_header(rate)
+                yield _raw(first, rate, audio_format)
+                async for _, samples, _ in phrases:
+                    yield _raw(samples, rate, audio_format)
+            finally:
+                await phrases.aclose()
+                await admission.__aexit__(None, None, None)
+
+        return StreamingResponse(chunks(), media_type=tts_audio.MEDIA_TYPES[audio_format],
+                                 headers={"X-Sample-Rate": str(rate if audio_format == "wav" else tts_audio.PCM_RATE)})
+
+
+def _raw(samples: np.ndarray, rate: int, audio_format: str) -> bytes:
+    return samples.astype("<i2").tobytes() if audio_format == "wav" else tts_audio.pcm_bytes(samples, rate)
+
+
+def _streaming_wav_header(rate: int) -> bytes:
+    """A 16-bit mono WAV header whose sizes say "until the end of the stream" (0xFFFFFFFF), as streamed WAV does."""
+    import struct
+
+    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFFF))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chat completions with audio output
+
+
+async def chat_with_audio(request: Request, door, body: dict, pipeline):
+    """Serve a chat completion whose `modalities` include "audio" (see the module docstring)."""
+    from omni_backend.serving.app import SYSTEM_FINGERPRINT, ClientGone, Generation, until_disconnect
+
+    modalities = body.get("modalities") or ["text", "audio"]
+    if not isinstance(modalities, list) or set(modalities) - {"text", "audio"} or "audio" not in modalities:
+        raise invalid("modalities must be [\"text\", \"audio\"] for audio output", "modalities")
+    audio = body.get("audio")
+    if not isinstance(audio, dict):
+        raise invalid("'audio' ({\"voice\", \"format\"}) is required when modalities include \"audio\"", "audio")
+    voice = _voice(audio.get("voice"), "audio.voice")
+    audio_format = _format(audio.get("format"), "audio.format", CHAT_AUDIO_FORMATS)
+    plain = {k: v for k, v in body.items() if k not in ("modalities", "audio")}
+    req = protocol.parse_request(protocol.ChatCompletionRequest, plain)
+    if req.n != 1:
+        raise invalid("n must be 1 when audio output is requested", "n")
+    if req.stream and audio_format != "pcm":
+        raise invalid("streamed audio output needs audio.format 'pcm16'", "audio.format")
+    if req.logprobs:
+        raise invalid("logprobs are not available with audio output", "logprobs")
+    options = SpeechOptions(voice=voice, audio_format=audio_format)
+    values = {"text_input": json.dumps(req.messages_json(), ensure_ascii=False), **req.sampling_values(),
+              "stream": True}
+    request_id = protocol.new_id("chatcmpl")
+    audio_id = protocol.new_id("audio")
+    backend: SpeechBackend = door.speech
+
+    admission = door.admitted()
+    await admission.__aenter__()
+    generation = Generation(door, pipeline, request_id, "messages")
+    try:
+        await until_disconnect(request, generation.start([values], 1, req.completion_limit, req.seed))
+        if req.stream:
+            events = _stream_events(req, generation, backend, options, request_id, audio_id, SYSTEM_FINGERPRINT)
+            return EventSourceResponse(_guarded(events, admission), ping=15, sep="\n")
+        text, samples, rate, last = await until_disconnect(request, _collect(generation, backend, options))
+    except ClientGone:
+        await admission.__aexit__(None, None, None)
+        await generation.close()
+        return Response(status_code=499)
+    except BaseException:
+        await admission.__aexit__(None, None, None)
+        await generation.close()
+        raise
+    await admission.__aexit__(None, None, None)
+    data = tts_audio.encode(samples, rate, audio_format)
+    message = {"role": "assistant", "content": None, "refusal": None,
+               "audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii"),
+                         "expires_at": protocol.now() + AUDIO_EXPIRY_S, "transcript": text}}
+    usage = protocol.usage(last.prompt_tokens or generation.choices[0].prepared.prompt_tokens, last.completion_tokens)
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": protocol.now(), "model": req.model,
+                         "system_fingerprint": SYSTEM_FINGERPRINT,
+                         "choices": [{"index": 0, "message": message, "logprobs": None,
+                                      "finish_reason": last.finish_reason}],
+                         "usage": usage})
+
+
+def _check_step(step) -> None:
+    if step.finish_reason == "abort":
+        raise errors.unavailable("the request was aborted by the server (shutting down or out of KV cache)")
+
+
+async def _spoken(generation, backend: SpeechBackend, options: SpeechOptions) -> AsyncIterator[tuple]:
+    """Merge the LLM's text deltas with the audio of each completed phrase, spoken while the LLM goes on.
+
+    Yields ("text", step) for every LLM response and ("audio", samples, rate) per phrase in phrase order; the
+    last item is ("done", final step).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    chunker = SentenceChunker()
+    tasks: list[asyncio.Task] = []
+
+    def speak(phrase: str) -> None:
+        task = asyncio.ensure_future(backend.speak(phrase, options, "messages"))
+        tasks.append(task)
+        task.add_done_callback(lambda _: queue.put_nowait(("spoken", None)))
+
+    async def produce():
+        try:
+            async for _, step in generation.merged():
+                _check_step(step)
+                await queue.put(("text", step))
+                for phrase in chunker.push(step.text):
+                    speak(phrase)
+                if step.finish_reason:
+                    for phrase in chunker.flush():
+                        speak(phrase)
+                    await queue.put(("end", step))
+                    return
+            await queue.put(("error", errors.internal("the chat stream ended before its final response")))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put(("error", exc))
+
+    producer = asyncio.ensure_future(produce())
+    sent, final = 0, None
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "error":
+                raise value
+            if kind == "text":
+                yield ("text", value)
+            elif kind == "end":
+                final = value
+            while sent < len(tasks) and tasks[sent].done():
+                samples, rate = tasks[sent].result()
+                sent += 1
+                yield ("audio", samples, rate)
+            if final is not None and sent == len(tasks):
+                yield ("done", final)
+                return
+    finally:
+        producer.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(producer, *tasks, return_exceptions=True)
+        await generation.close()
+
+
+async def _collect(generation, backend: SpeechBackend, options: SpeechOptions):
+    text, pieces, rate, final = [], [], 0, None
+    async for item in _spoken(generation, backend, options):
+        if item[0] == "text":
+            text.append(item[1].text)
+        elif item[0] == "audio":
+            pieces.append(item[1])
+            rate = item[2] or rate
+        else:
+            final = item[1]
+    samples = np.concatenate(pieces) if pieces else np.zeros(0, np.int16)
+    return "".join(text), samples, rate or 22050, final
+
+
+async def _stream_events(req, generation, backend, options, request_id, audio_id, fingerprint) -> AsyncIterator:
+    created = protocol.now()
+
+    def chunk(delta: dict, finish_reason=None) -> ServerSentEvent:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "system_fingerprint": fingerprint,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        if req.include_usage:
+            body["usage"] = None
+        return ServerSentEvent(json.dumps(body, ensure_ascii=False))
+
+    try:
+        yield chunk({"role": "assistant", "content": None})
+        final = None
+        async for item in _spoken(generation, backend, options):
+            if item[0] == "text" and item[1].text:
+                yield chunk({"audio": {"id": audio_id, "transcript": item[1].text}})
+            elif item[0] == "audio" and item[1].size:
+                data = base64.b64encode(tts_audio.pcm_bytes(item[1], item[2])).decode("ascii")
+                yield chunk({"audio": {"id": audio_id, "data": data}})
+            elif item[0] == "done":
+                final = item[1]
+        yield chunk({"audio": {"id": audio_id, "expires_at": protocol.now() + AUDIO_EXPIRY_S}},
+                    final.finish_reason)
+        if req.include_usage:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "system_fingerprint": fingerprint, "choices": [],
+                    "usage": protocol.usage(final.prompt_tokens or generation.choices[0].prepared.prompt_tokens,
+                                            final.completion_tokens)}
+            yield ServerSentEvent(json.dumps(body))
+        yield ServerSentEvent("[DONE]")
+    except OpenAIError as exc:
+        yield ServerSentEvent(json.dumps(exc.body()))
+        yield ServerSentEvent("[DONE]")
+
+
+async def _guarded(events: AsyncIterator, admission) -> AsyncIterator:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await admission.__aexit__(None, None, None)
+
+
+__all__ = ["SpeechBackend", "chat_with_audio", "register", "wants_audio"]

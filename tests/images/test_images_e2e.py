@@ -1,0 +1,100 @@
+"""Image generation through the real stack: same seed -> the same PNG bytes; concurrent compatible requests
+are batched by the diffusion stage (Triton statistics); case c10 followed by ordinary requests."""
+
+import base64
+import io
+import threading
+
+import numpy as np
+import pytest
+from image_http import MODEL, model_stats, post_json
+
+pytestmark = pytest.mark.server
+
+SMALL = {"model": MODEL, "size": "64x64", "steps": 3}
+
+
+def png_of(body: dict) -> bytes:
+    return base64.b64decode(body["data"][0]["b64_json"])
+
+
+def test_same_seed_gives_byte_identical_images(images_door):
+    from PIL import Image
+
+    request = dict(SMALL, prompt="a red bicycle", seed=1234)
+    status, _, first = post_json(images_door.url + "/v1/images/generations", request)
+    assert status == 200, first
+    status, _, second = post_json(images_door.url + "/v1/images/generations", request)
+    assert status == 200 and png_of(first) == png_of(second)
+    assert first["data"][0]["seed"] == 1234
+    image = Image.open(io.BytesIO(png_of(first)))
+    assert image.format == "PNG" and image.size == (64, 64) and image.mode == "RGB"
+    status, _, other = post_json(images_door.url + "/v1/images/generations", dict(request, seed=1235))
+    assert status == 200 and png_of(other) != png_of(first)
+    status, _, pair = post_json(images_door.url + "/v1/images/generations", dict(request, n=2))
+    assert status == 200 and [d["seed"] for d in pair["data"]] == [1234, 1235]
+    assert png_of(pair) == png_of(first) or np.abs(  # batched: equal up to last-bit float differences
+        np.asarray(Image.open(io.BytesIO(png_of(pair))), dtype=int) - np.asarray(image, dtype=int)).max() <= 1
+
+
+def test_concurrent_compatible_requests_are_batched(images_door, triton_server, record_property):
+    before = model_stats(triton_server.http_url, "diffusion")
+    results = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def one(i):
+        barrier.wait()
+        results[i] = post_json(images_door.url + "/v1/images/generations",
+                               dict(SMALL, prompt=f"a red bicycle number {i}", seed=i))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(r is not None and r[0] == 200 for r in results), results
+    after = model_stats(triton_server.http_url, "diffusion")
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    record_property("diffusion_inferences", inferences)
+    record_property("diffusion_executions", executions)
+    print(f"4 concurrent requests: {inferences} inferences in {executions} diffusion executions")
+    assert inferences == 4 and executions < 4
+
+
+def test_bad_values_are_400_naming_the_field(images_door):
+    for extra, param in [({"steps": 0}, "steps"), ({"steps": 51}, "steps"), ({"guidance_scale": 99}, "guidance_scale"),
+                         ({"n": 11}, "n"), ({"response_format": "url"}, "response_format"), ({"size": "big"}, "size")]:
+        status, _, body = post_json(images_door.url + "/v1/images/generations", dict(SMALL, prompt="x", **extra))
+        assert status == 400 and body["error"]["param"] == param, (extra, body)
+    status, _, body = post_json(images_door.url + "/v1/images/generations", {"model": "does-not-exist", "prompt": "x"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.reliability
+def test_c10_huge_size_is_400_naming_size_and_the_server_stays_up(images_door, triton_server):
+    status, headers, body = post_json(images_door.url + "/v1/images/generations",
+                                      {"model": MODEL, "prompt": "a red bicycle", "size": "100000x10000"})
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    error = body["error"]
+    assert error["param"] == "size" and "size" in error["message"]
+    assert "64x64, 128x128, 256x256" in error["message"]  # the allowed sizes
+    # the same check in the stage itself (a client talking to Triton directly)
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    inputs = []
+    for name, array, datatype in [("prompt", np.array([[b"a red bicycle"]], dtype=object), "BYTES"),
+                                  ("width", np.array([[100000]], np.int32), "INT32"),
+                                  ("height", np.array([[10000]], np.int32), "INT32")]:
+        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    with httpclient.InferenceServerClient(triton_server.http_url) as client:
+        with pytest.raises(InferenceServerException, match="size 100000x10000 is not supported"):
+            client.infer("text2image", inputs)
+    status, _, body = post_json(images_door.url + "/v1/images/generations", dict(SMALL, prompt="a red bicycle"))
+    assert status == 200 and body["data"][0]["b64_json"]
+    status, _, body = post_json(images_door.url + "/v1/chat/completions",
+                                {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and body["choices"][0]["message"]["content"]

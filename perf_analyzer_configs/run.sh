@@ -12,6 +12,7 @@ shift
 case "$model" in
   omni_chat|omni_speech|llm|tts) mode=(--async --streaming) ;;   # decoupled, or an ensemble around one
   preprocess|postprocess|speech_options|vision_encoder|audio_encoder) mode=() ;;
+  diffusion|png_encode|text2image) mode=() ;;   # text to image (one response each)
   *) echo "run.sh: unknown model $model" >&2; exit 2 ;;
 esac
 data="$HERE/$model.json"

@@ -229,6 +229,8 @@ class TritonPipeline:
             positions, in the same order as the parts).
         """
         parts = json.loads(_scalar(result.as_numpy("media_parts")))
+        if not parts:  # preprocess sends empty media outputs for text-only requests
+            return {}
         positions = result.as_numpy("media_positions").reshape(-1).astype(np.int32)
         inputs = {"image": result.as_numpy("pixel_values"), "audio": result.as_numpy("input_features")}
         seen = {"image": 0, "audio": 0}

@@ -112,3 +112,22 @@ def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
     if dtype_name == "auto" and device.startswith("cuda"):
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return EncoderStage(load_encoder(encoder_path(kind, parameters.get("model_path", "")), device, dtype), device)
+
+
+def splice_embeddings(parts: list[dict], positions: np.ndarray, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The llm's `prompt_embeds` [k, hidden] and `prompt_embed_positions` [k] from each part's encoder output.
+
+    Args:
+        parts: preprocess's `media_parts` ({"kind", "tokens"} in prompt order).
+        positions: preprocess's `media_positions` (k placeholder positions, in the same order).
+        outputs: one encoder output [1 or more, >= tokens, hidden] per part; the first `tokens` rows are used.
+
+    Raises:
+        ValueError: the counts disagree.
+    """
+    rows = [np.asarray(out).reshape(-1, np.asarray(out).shape[-1])[: part["tokens"]] for out, part in zip(outputs, parts)]
+    embeds = np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)
+    positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+    if embeds.shape[0] != positions.size:
+        raise ValueError(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")
+    return {"prompt_embeds": embeds, "prompt_embed_positions": positions}

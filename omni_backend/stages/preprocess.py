@@ -27,7 +27,8 @@ door echoes it; the ensemble does not use it).
 Image and audio content parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`,
 `{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`) are decoded here
 (`omni_backend.stages.media`) when the stage has encoders configured (`MediaConfig`); each becomes a run of the
-encoder's placeholder token in the prompt, and four more outputs appear (only when the request has media):
+encoder's placeholder token in the prompt, and four more outputs appear (with zero items for a request without
+media, when encoders are configured):
 `pixel_values` FP32 [n_images, 3, S, S], `input_features` FP32 [n_audio, mel bins, frames], `media_parts`
 STRING [1] (JSON `[{"kind": "image"|"audio", "tokens": int}, ...]` in prompt order) and `media_positions` INT32
 [n_placeholders] (prompt positions, in the same order). The caller runs the encoders and hands the llm
@@ -337,16 +338,31 @@ class Preprocessor:
             "prompt_text": string_tensor(prompt_text),
         }
         if media:
-            outputs.update(media_outputs(media))
+            outputs.update(media_outputs(media, self.media.specs))
+        elif self.media is not None:  # empty media outputs: the omni_chat_mm ensemble's later steps wait for them
+            outputs.update(empty_media_outputs(self.media.specs))
         return outputs
 
 
-def media_outputs(media: list[dict]) -> dict[str, np.ndarray]:
-    """The media output tensors (see the module docstring) of decoded media parts."""
+def empty_media_outputs(specs: dict) -> dict[str, np.ndarray]:
+    """Media outputs of a request without media (zero items, zero placeholders)."""
+    image = specs["image"].processor["image_size"] if "image" in specs else 224
+    audio = specs["audio"].processor if "audio" in specs else {"feature_size": 80, "max_frames": 3000}
+    return {
+        "media_parts": string_tensor("[]"),
+        "media_positions": np.zeros(0, dtype=np.int32),
+        "pixel_values": np.zeros((0, 3, image, image), dtype=np.float32),
+        "input_features": np.zeros((0, audio["feature_size"], audio["max_frames"]), dtype=np.float32),
+    }
+
+
+def media_outputs(media: list[dict], specs: dict) -> dict[str, np.ndarray]:
+    """The media output tensors (see the module docstring) of decoded media parts (a kind with no part: empty)."""
     images = [m["array"] for m in media if m["kind"] == "image"]
     audio = [m["array"] for m in media if m["kind"] == "audio"]
     positions = [m["start"] + i for m in media for i in range(m["tokens"])]
-    outputs = {
+    outputs = empty_media_outputs(specs)
+    outputs |= {
         "media_parts": string_tensor(json.dumps([{"kind": m["kind"], "tokens": m["tokens"]} for m in media])),
         "media_positions": np.asarray(positions, dtype=np.int32),
     }

@@ -12,7 +12,8 @@ from chat_client import free_ports
 from omni_backend import repository
 from omni_backend.triton_server import TritonServer
 
-MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "audio_encoder"]
+MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "audio_encoder", "media_embed",
+          "omni_chat_mm"]
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,8 @@ def test_placeholders_stand_where_the_parts_were(preprocessor):
     text = preprocessor.tokenizer.decode(ids)
     assert text.index("What is this?") < text.index("<empty_output>") < text.index("and this?")
     plain = preprocessor.run(chat())
-    assert "media_parts" not in plain  # text-only requests have no media outputs
+    assert json.loads(plain["media_parts"][0]) == [] and plain["media_positions"].size == 0  # text only: empty
+    assert plain["pixel_values"].shape == (0, 3, 224, 224) and plain["input_features"].shape == (0, 80, 3000)
 
 
 NOT_AUDIO = base64.b64encode(b"This is a text file, not audio.\n" * 20).decode()

@@ -131,3 +131,29 @@ def test_c08_mp3_declared_as_wav_decodes_and_text_as_audio_is_unsupported(mm_fro
 def test_bad_media_is_a_400_naming_the_part_and_the_next_request_works(mm_front_door, parts, param, fragment):
     assert_400(*chat(mm_front_door, *parts), param, fragment)
     assert_ok(*chat(mm_front_door, text="Say hi."))
+
+
+def test_omni_chat_mm_ensemble_equals_the_front_door_and_passes_text_through(mm_front_door, mm_server):
+    """The ensemble (preprocess -> media_embed -> llm -> postprocess) gives the front door's answer for an image,
+    and omni_chat's answer for text only (no encoder call: the encoders' inference counts do not move)."""
+    import json
+
+    from chat_client import stream_infer
+
+    part = image_part(image_bytes("JPEG"), "image/jpeg")
+    text, prompt_tokens = answer(assert_ok(*chat(mm_front_door, part, max_tokens=12)))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, part]}]
+    values = {"text_input": json.dumps(messages), "max_tokens": 12, "temperature": 0.0}
+    result = stream_infer(mm_server.grpc_url, values, model="omni_chat_mm")
+    assert result.error is None, result.error
+    assert (result.text, result.last("prompt_tokens")) == (text, prompt_tokens)
+
+    before = [_stats(mm_server, m)[0] for m in ("vision_encoder", "audio_encoder")]
+    plain = {"text_input": json.dumps([{"role": "user", "content": "What is the capital of France?"}]),
+             "max_tokens": 12, "temperature": 0.0}
+    through_mm, through_chat = (stream_infer(mm_server.grpc_url, plain, model=m) for m in ("omni_chat_mm", "omni_chat"))
+    assert through_mm.error is None and through_mm.text == through_chat.text and through_mm.text
+    assert [_stats(mm_server, m)[0] for m in ("vision_encoder", "audio_encoder")] == before
+    bad = dict(values, text_input=json.dumps([{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}]}]))
+    assert "unsupported audio format" in stream_infer(mm_server.grpc_url, bad, model="omni_chat_mm").error

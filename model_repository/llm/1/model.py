@@ -56,6 +56,8 @@ def _prompt_embeds(request):
         return None
     if embeds is None or positions is None:
         raise ValueError("prompt_embeds and prompt_embed_positions must be given together")
+    if positions.as_numpy().size == 0:  # a text-only request through omni_chat_mm
+        return None
     return PromptEmbeds(torch.from_numpy(positions.as_numpy().astype(np.int64).reshape(-1)),
                         torch.from_numpy(np.array(embeds.as_numpy(), dtype=np.float32)))
 

@@ -1,0 +1,48 @@
+"""Triton glue for the media_embed BLS step: encoder calls per media item, spliced into llm prompt embeddings."""
+
+import asyncio
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from omni_backend.stages.media_encoder import splice_embeddings
+
+ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        return list(await asyncio.gather(*(self._one(request) for request in requests)))
+
+    async def _one(self, request):
+        try:
+            text = pb_utils.get_input_tensor_by_name(request, "media_parts").as_numpy().reshape(-1)[0]
+            parts = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+            positions = pb_utils.get_input_tensor_by_name(request, "media_positions").as_numpy()
+            if not parts:
+                return self._response(np.zeros((0, 0), dtype=np.float32), np.zeros(0, dtype=np.int32))
+            arrays = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+                      for _, name in ENCODERS.values()}
+            seen, calls = {"image": 0, "audio": 0}, []
+            for part in parts:
+                model, name = ENCODERS[part["kind"]]
+                item = np.ascontiguousarray(arrays[name][seen[part["kind"]]:seen[part["kind"]] + 1])
+                seen[part["kind"]] += 1
+                calls.append(pb_utils.InferenceRequest(model_name=model, requested_output_names=["embeddings"],
+                                                       inputs=[pb_utils.Tensor(name, item)]).async_exec())
+            outputs = []
+            for response in await asyncio.gather(*calls):
+                if response.has_error():
+                    raise ValueError(response.error().message())
+                outputs.append(pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy())
+            spliced = splice_embeddings(parts, positions, outputs)
+            return self._response(spliced["prompt_embeds"], spliced["prompt_embed_positions"])
+        except (ValueError, KeyError, IndexError) as exc:
+            error = pb_utils.TritonError(f"media_embed: {exc}", pb_utils.TritonError.INVALID_ARG)
+            return pb_utils.InferenceResponse(error=error)
+
+    @staticmethod
+    def _response(embeds, positions):
+        return pb_utils.InferenceResponse([pb_utils.Tensor("prompt_embeds", embeds),
+                                           pb_utils.Tensor("prompt_embed_positions", positions)])

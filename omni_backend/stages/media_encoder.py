@@ -125,7 +125,8 @@ def splice_embeddings(parts: list[dict], positions: np.ndarray, outputs: list[np
     Raises:
         ValueError: the counts disagree.
     """
-    rows = [np.asarray(out).reshape(-1, np.asarray(out).shape[-1])[: part["tokens"]] for out, part in zip(outputs, parts)]
+    rows = [np.asarray(out).reshape(-1, np.asarray(out).shape[-1])[: part["tokens"]]
+            for out, part in zip(outputs, parts)]
     embeds = np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)
     positions = np.asarray(positions, dtype=np.int32).reshape(-1)
     if embeds.shape[0] != positions.size:

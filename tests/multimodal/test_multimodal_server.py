@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import time
 
 import numpy as np
 import pytest
@@ -157,3 +158,39 @@ def test_omni_chat_mm_ensemble_equals_the_front_door_and_passes_text_through(mm_
     bad = dict(values, text_input=json.dumps([{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}]}]))
     assert "unsupported audio format" in stream_infer(mm_server.grpc_url, bad, model="omni_chat_mm").error
+
+
+def test_llm_refuses_prompt_embeds_of_the_wrong_hidden_size_and_keeps_serving(mm_front_door, mm_server):
+    import json
+
+    import tritonclient.grpc as grpcclient
+
+    def llm_request(hidden):
+        arrays = {"input_ids": np.array([1, 2, 3, 4], dtype=np.int32),
+                  "sampling_params": np.array([json.dumps({"max_tokens": 2, "temperature": 0.0}).encode()],
+                                              dtype=np.object_),
+                  "prompt_embeds": np.zeros((2, hidden), dtype=np.float32),
+                  "prompt_embed_positions": np.array([1, 2], dtype=np.int32)}
+        inputs = []
+        for name, array in arrays.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else
+                                           {"int32": "INT32", "float32": "FP32"}[str(array.dtype)])
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        events = []
+        client = grpcclient.InferenceServerClient(mm_server.grpc_url)
+        client.start_stream(callback=lambda result, error: events.append((result, error)))
+        client.async_stream_infer("llm", inputs)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                e is not None or r.get_response().parameters["triton_final_response"].bool_param for r, e in events):
+            time.sleep(0.05)
+        client.stop_stream()
+        client.close()
+        return events
+
+    events = llm_request(100)
+    assert events[-1][1] is not None and "hidden size" in events[-1][1].message()
+    events = llm_request(576)
+    assert all(e is None for _, e in events)
+    assert_ok(*chat(mm_front_door, text="Say hi."))

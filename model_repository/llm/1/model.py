@@ -48,7 +48,7 @@ class _Sink:
         return self.sender.is_cancelled()
 
 
-def _prompt_embeds(request):
+def _prompt_embeds(request, hidden_size):
     """The optional `prompt_embeds` + `prompt_embed_positions` inputs as a PromptEmbeds (None when absent)."""
     embeds = pb_utils.get_input_tensor_by_name(request, "prompt_embeds")
     positions = pb_utils.get_input_tensor_by_name(request, "prompt_embed_positions")
@@ -58,6 +58,9 @@ def _prompt_embeds(request):
         raise ValueError("prompt_embeds and prompt_embed_positions must be given together")
     if positions.as_numpy().size == 0:  # a text-only request through omni_chat_mm
         return None
+    if embeds.as_numpy().ndim != 2 or embeds.as_numpy().shape[1] != hidden_size:
+        raise ValueError(f"prompt_embeds must be [k, {hidden_size}] (the model's hidden size), "
+                         f"got {list(embeds.as_numpy().shape)}")
     return PromptEmbeds(torch.from_numpy(positions.as_numpy().astype(np.int64).reshape(-1)),
                         torch.from_numpy(np.array(embeds.as_numpy(), dtype=np.float32)))
 
@@ -68,6 +71,7 @@ class TritonPythonModel:
         self.service = create_service({k: v["string_value"] for k, v in parameters.items()}, pb_utils,
                                       args["model_name"], args["model_version"])
         self.service.start()
+        self.hidden_size = self.service.engine.runner.model.embed_tokens.weight.shape[1]
 
     def execute(self, requests):
         for request in requests:
@@ -78,7 +82,8 @@ class TritonPythonModel:
                 text = pb_utils.get_input_tensor_by_name(request, "sampling_params").as_numpy().reshape(-1)[0]
                 params = SamplingParams.from_json(text.decode("utf-8") if isinstance(text, bytes) else text)
                 request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
-                self.service.submit(request_id, ids, params, sink, prompt_embeds=_prompt_embeds(request))
+                embeds = _prompt_embeds(request, self.hidden_size)
+                self.service.submit(request_id, ids, params, sink, prompt_embeds=embeds)
             except (ValueError, UnicodeDecodeError) as exc:
                 sink.fail(str(exc))
             except NotAdmitting as exc:  # critical GPU temperature: HTTP 503, gRPC UNAVAILABLE

@@ -10,8 +10,9 @@ Two parts:
   arrives as its own request: deltas of one stream (identified by the `stream` id in the speech options) go
   into a `SentenceChunker`; each chunk it releases is synthesized and answered as one response carrying the
   chunk's text, its audio and its index. A request without a stream id is self-contained (the
-  `/v1/audio/speech` path): its text is cut at sentence ends and spoken sentence by sentence, each sent as soon
-  as it is made. The stage must run as one model instance (the state lives in that process); chunk indices let a
+  `/v1/audio/speech` path): its text is cut at sentence ends (the first phrase also at a clause boundary) and
+  spoken phrase by phrase, each sent as soon as it is made. `SpeechWorker` does the synthesis on its own thread,
+  lowest chunk index first across requests, so concurrent requests all get their first phrase early. The stage must run as one model instance (the state lives in that process); chunk indices let a
   client put chunks in order whatever order Triton delivers them in.
 
 Input tensors (all shape [1]):
@@ -37,6 +38,8 @@ encodes (the OpenAI front door), and is not echoed (an ensemble tensor cannot be
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import threading
 import time
@@ -173,9 +176,9 @@ class SpeechStage:
                 raise ValueError("text must not be empty")
             if len(text) > self.max_text_chars:
                 raise ValueError(f"text is {len(text)} characters; the limit is {self.max_text_chars}")
-            # The whole text is here: cut at sentences only (no early first phrase, which would split the
-            # first sentence's prosody to save ~0.1 s).
-            chunker = self.make_chunker(first_min_words=10**6, first_max_words=10**6)
+            # The whole text is here: cut at sentence ends, and the first phrase also at a clause boundary
+            # (",", ";", ":") so audio starts early, but never mid-clause (that would break its prosody).
+            chunker = self.make_chunker(first_min_words=3, first_max_words=10**6)
             texts = chunker.push(text) + chunker.flush()
             return options, self._number(texts, 0, finish_reason or "stop", counts)
 
@@ -228,3 +231,75 @@ class SpeechStage:
         deadline = time.monotonic() - self.stream_ttl_s
         for stream in [s for s, state in self._streams.items() if state.touched < deadline]:
             del self._streams[stream]
+
+
+class ChunkSink(Protocol):
+    """Where a request's chunks go (the Triton model wraps its response sender in one)."""
+
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+class SpeechWorker:
+    """Synthesizes planned chunks on its own thread, fairly: the pending chunk with the lowest index goes first
+    (ties in arrival order), so every request's first phrase is spoken before anyone's second one and time to
+    first audio stays short under concurrency. The Triton model's `execute` only plans (cheap) and returns.
+
+    Args:
+        stage: the `SpeechStage` whose `synthesize` runs here.
+        start: start the thread now (tests queue work first, then call `start`).
+    """
+
+    def __init__(self, stage: SpeechStage, start: bool = True):
+        self.stage = stage
+        self._heap: list = []
+        self._order = itertools.count()
+        self._ready = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="tts-worker", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, options: SpeechOptions, chunks: list[dict], sink: ChunkSink) -> None:
+        """Queue a request's chunks (in index order); the last one's response carries the final flag."""
+        job = {"options": options, "sink": sink, "left": len(chunks), "dead": False}
+        with self._ready:
+            for chunk in chunks:
+                heapq.heappush(self._heap, (chunk["index"], next(self._order), job, chunk))
+            self._ready.notify()
+
+    def shutdown(self) -> None:
+        with self._ready:
+            self._stopped = True
+            self._ready.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._heap and not self._stopped:
+                    self._ready.wait()
+                if self._stopped:
+                    return
+                _, _, job, chunk = heapq.heappop(self._heap)
+            if job["dead"]:
+                continue
+            job["left"] -= 1
+            try:
+                if job["sink"].is_cancelled():
+                    job["dead"] = True
+                    continue
+                job["sink"].send(self.stage.synthesize(job["options"], chunk), final=job["left"] == 0)
+            except Exception as exc:  # one request fails, the worker goes on
+                job["dead"] = True
+                try:
+                    job["sink"].fail(f"tts failed: {type(exc).__name__}: {exc}")
+                except Exception:  # noqa: BLE001 - the request is gone
+                    pass
+

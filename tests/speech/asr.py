@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from functools import lru_cache
-
 import numpy as np
 
 from omni_backend.stages.tts_audio import resample
@@ -14,8 +12,9 @@ from omni_backend.stages.tts_audio import resample
 ASR_RATE = 16000
 
 
-@lru_cache(maxsize=1)
 def _decoder():
+    """A fresh decoder per clip: pocketsphinx carries its cepstral-mean estimate from one utterance to the next,
+    which made a clip's first words depend on the clips before it."""
     from pocketsphinx import Decoder
 
     return Decoder(samprate=ASR_RATE, loglevel="FATAL")

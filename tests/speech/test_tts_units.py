@@ -147,3 +147,36 @@ def test_audio_containers():
     if "mp3" in tts_audio.formats():
         mp3 = tts_audio.encode(tone, 22050, "mp3")
         assert mp3[:3] == b"ID3" or mp3[0] == 0xFF  # ID3 tag or an MPEG frame sync
+
+
+def test_worker_speaks_every_request_first_phrase_before_any_second_one():
+    import threading
+
+    class Sink:
+        def __init__(self, name, log, done):
+            self.name, self.log, self.done = name, log, done
+
+        def send(self, outputs, final):
+            self.log.append((self.name, int(outputs["chunk_index"][0]), final))
+            if final:
+                self.done.release()
+
+        def fail(self, message):
+            raise AssertionError(message)
+
+        def is_cancelled(self):
+            return False
+
+    from omni_backend.stages.tts import SpeechWorker
+
+    stage = SpeechStage(FakeSynthesizer())
+    log, done = [], threading.Semaphore(0)
+    worker = SpeechWorker(stage, start=False)  # queue both requests before the thread runs
+    for name in ("a", "b"):
+        options, chunks = stage.plan(arrays("One sentence here. Two sentences here. Three."))
+        worker.submit(options, chunks, Sink(name, log, done))
+    worker.start()
+    assert done.acquire(timeout=10) and done.acquire(timeout=10)
+    worker.shutdown()
+    assert log == [("a", 0, False), ("b", 0, False), ("a", 1, False), ("b", 1, False), ("a", 2, True),
+                   ("b", 2, True)]

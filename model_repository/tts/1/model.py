@@ -1,10 +1,32 @@
-"""Triton glue for the decoupled tts stage; the logic is omni_backend/stages/tts.py."""
+"""Triton glue for the decoupled tts stage; the logic is omni_backend/stages/tts.py.
+
+`execute` validates and plans each request (chunk boundaries, stream state) and returns at once; the
+SpeechWorker thread synthesizes the chunks, lowest chunk index first across requests, and sends them.
+"""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.stages.tts import ENGINES, INPUT_NAMES, SpeechStage
+from omni_backend.stages.tts import ENGINES, INPUT_NAMES, SpeechStage, SpeechWorker
+
+
+class _Sink:
+    """One request's response sender."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, outputs, final):
+        response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def fail(self, message, code=None):
+        error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL if code is None else code)
+        self.sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
 
 
 class TritonPythonModel:
@@ -17,25 +39,29 @@ class TritonPythonModel:
         synthesizer = ENGINES[engine](threads=int(setting.get("threads", "0")))
         self.stage = SpeechStage(synthesizer, max_text_chars=int(setting.get("max_text_chars", "4096")),
                                  stream_ttl_s=float(setting.get("stream_ttl_s", "600")))
+        self.worker = SpeechWorker(self.stage)
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            sink = _Sink(request.get_response_sender())
             arrays = {}
             for name in INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     arrays[name] = tensor.as_numpy()
             try:
-                for outputs in self.stage.run(arrays):
-                    if sender.is_cancelled():
-                        break
-                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                options, chunks = self.stage.plan(arrays)
             except ValueError as exc:
-                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sink.fail(str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
             except Exception as exc:  # never take the stub down: answer this request with an error
-                error = pb_utils.TritonError(f"tts failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sink.fail(f"tts failed: {type(exc).__name__}: {exc}")
+                continue
+            if chunks:
+                self.worker.submit(options, chunks, sink)
+            else:  # a stream delta that completed no phrase: nothing to say yet
+                sink.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
+
+    def finalize(self):
+        self.worker.shutdown()

@@ -97,7 +97,7 @@ def test_c06_text_parts_equal_the_joined_string(api):
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
     {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
 ])
-def test_non_text_parts_are_refused_by_name_for_now(api, part):
+def test_undecodable_media_parts_are_refused_by_name(api, part):
     content = [{"type": "text", "text": "What is this?"}, part]
     status, _, body = api("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]})
     assert_error(status, body, 400, "messages[0].content[1]", part["type"])

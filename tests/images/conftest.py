@@ -12,7 +12,9 @@ from chat_client import free_ports
 
 from omni_backend.serving import ServingConfig, create_app
 
-
+# tests/serving does `from conftest import MODEL`, which finds whichever conftest module was imported last:
+# every conftest that can be that one defines it.
+MODEL = "omni_chat"
 
 
 class FrontDoorThread:

@@ -12,6 +12,11 @@ from chat_client import free_ports
 
 from omni_backend.serving import ServingConfig, create_app
 
+# tests/serving does `from conftest import MODEL`, which finds whichever conftest module was imported last:
+# every conftest that can be that one defines it.
+MODEL = "omni_chat"
+
+
 class FrontDoorThread:
     """A front door app on a free port, in a daemon thread."""
 

@@ -12,7 +12,7 @@ Two workloads, each at concurrency 1 and 4:
 Targets on this CPU (issue 6): first audio <= 1.0 s and RTF <= 0.1 at concurrency 1 (speech workload).
 Writes benchmarks/results/speech.json.
 
-Usage: .venv/bin/python scripts/bench_speech.py [--requests 6] [--chat-requests 4]
+Usage: .venv/bin/python scripts/bench_speech.py [--requests 8] [--chat-requests 4]
 """
 
 from __future__ import annotations

@@ -58,3 +58,13 @@ def stages_server(tmp_path_factory) -> TritonServer:
     server.stop()
 
 
+
+
+@pytest.fixture(scope="session")
+def front_door(triton_server):
+    """The OpenAI front door every test shares (no API key, default limits), on the session's server."""
+    from front_door import FrontDoorThread, front_door_config
+
+    door = FrontDoorThread(front_door_config(triton_server)).start()
+    yield door
+    door.stop()

@@ -18,33 +18,33 @@ def png_of(body: dict) -> bytes:
     return base64.b64decode(body["data"][0]["b64_json"])
 
 
-def test_same_seed_gives_byte_identical_images(images_door):
+def test_same_seed_gives_byte_identical_images(front_door):
     from PIL import Image
 
     request = dict(SMALL, prompt="a red bicycle", seed=1234)
-    status, _, first = post_json(images_door.url + "/v1/images/generations", request)
+    status, _, first = post_json(front_door.url + "/v1/images/generations", request)
     assert status == 200, first
-    status, _, second = post_json(images_door.url + "/v1/images/generations", request)
+    status, _, second = post_json(front_door.url + "/v1/images/generations", request)
     assert status == 200 and png_of(first) == png_of(second)
     assert first["data"][0]["seed"] == 1234
     image = Image.open(io.BytesIO(png_of(first)))
     assert image.format == "PNG" and image.size == (64, 64) and image.mode == "RGB"
-    status, _, other = post_json(images_door.url + "/v1/images/generations", dict(request, seed=1235))
+    status, _, other = post_json(front_door.url + "/v1/images/generations", dict(request, seed=1235))
     assert status == 200 and png_of(other) != png_of(first)
-    status, _, pair = post_json(images_door.url + "/v1/images/generations", dict(request, n=2))
+    status, _, pair = post_json(front_door.url + "/v1/images/generations", dict(request, n=2))
     assert status == 200 and [d["seed"] for d in pair["data"]] == [1234, 1235]
     assert png_of(pair) == png_of(first) or np.abs(  # batched: equal up to last-bit float differences
         np.asarray(Image.open(io.BytesIO(png_of(pair))), dtype=int) - np.asarray(image, dtype=int)).max() <= 1
 
 
-def test_concurrent_compatible_requests_are_batched(images_door, triton_server, record_property):
+def test_concurrent_compatible_requests_are_batched(front_door, triton_server, record_property):
     before = model_stats(triton_server.http_url, "diffusion")
     results = [None] * 4
     barrier = threading.Barrier(4)
 
     def one(i):
         barrier.wait()
-        results[i] = post_json(images_door.url + "/v1/images/generations",
+        results[i] = post_json(front_door.url + "/v1/images/generations",
                                dict(SMALL, prompt=f"a red bicycle number {i}", seed=i))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
@@ -62,18 +62,18 @@ def test_concurrent_compatible_requests_are_batched(images_door, triton_server, 
     assert inferences == 4 and executions < 4
 
 
-def test_bad_values_are_400_naming_the_field(images_door):
+def test_bad_values_are_400_naming_the_field(front_door):
     for extra, param in [({"steps": 0}, "steps"), ({"steps": 51}, "steps"), ({"guidance_scale": 99}, "guidance_scale"),
                          ({"n": 11}, "n"), ({"response_format": "url"}, "response_format"), ({"size": "big"}, "size")]:
-        status, _, body = post_json(images_door.url + "/v1/images/generations", dict(SMALL, prompt="x", **extra))
+        status, _, body = post_json(front_door.url + "/v1/images/generations", dict(SMALL, prompt="x", **extra))
         assert status == 400 and body["error"]["param"] == param, (extra, body)
-    status, _, body = post_json(images_door.url + "/v1/images/generations", {"model": "does-not-exist", "prompt": "x"})
+    status, _, body = post_json(front_door.url + "/v1/images/generations", {"model": "does-not-exist", "prompt": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.reliability
-def test_c10_huge_size_is_400_naming_size_and_the_server_stays_up(images_door, triton_server):
-    status, headers, body = post_json(images_door.url + "/v1/images/generations",
+def test_c10_huge_size_is_400_naming_size_and_the_server_stays_up(front_door, triton_server):
+    status, headers, body = post_json(front_door.url + "/v1/images/generations",
                                       {"model": MODEL, "prompt": "a red bicycle", "size": "100000x10000"})
     assert status == 400 and headers["content-type"].startswith("application/json")
     error = body["error"]
@@ -93,8 +93,8 @@ def test_c10_huge_size_is_400_naming_size_and_the_server_stays_up(images_door, t
     with httpclient.InferenceServerClient(triton_server.http_url) as client:
         with pytest.raises(InferenceServerException, match="size 100000x10000 is not supported"):
             client.infer("text2image", inputs)
-    status, _, body = post_json(images_door.url + "/v1/images/generations", dict(SMALL, prompt="a red bicycle"))
+    status, _, body = post_json(front_door.url + "/v1/images/generations", dict(SMALL, prompt="a red bicycle"))
     assert status == 200 and body["data"][0]["b64_json"]
-    status, _, body = post_json(images_door.url + "/v1/chat/completions",
+    status, _, body = post_json(front_door.url + "/v1/chat/completions",
                                 {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200 and body["choices"][0]["message"]["content"]

@@ -4,7 +4,7 @@ ordinary request that must succeed (a case that leaves the server broken fails e
 import json
 
 import pytest
-from conftest import MODEL
+from front_door import MODEL
 from frontdoor_http import get, post, sse
 
 pytestmark = [pytest.mark.server, pytest.mark.reliability]

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import tritonclient.grpc as grpcclient
 from chat_client import free_ports
-from conftest import MODEL
+from front_door import MODEL
 from frontdoor_http import get, post
 
 pytestmark = [pytest.mark.server, pytest.mark.reliability]

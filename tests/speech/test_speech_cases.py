@@ -26,17 +26,17 @@ def ordinary_requests_work(url: str) -> None:
     ("/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": ""}, "voice"),
     ("/v1/images/generations", {"model": MODEL, "prompt": " "}, "prompt"),
 ])
-def test_c09_empty_speech_and_image_inputs(speech_door, path, body, param):
-    status, headers, data = post(speech_door.url + path, body)
+def test_c09_empty_speech_and_image_inputs(front_door, path, body, param):
+    status, headers, data = post(front_door.url + path, body)
     assert status == 400, data
     assert headers["content-type"].startswith("application/json")
     error = json.loads(data)["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
-    ordinary_requests_work(speech_door.url)
+    ordinary_requests_work(front_door.url)
 
 
-def test_c11_unknown_model_on_speech(speech_door):
-    status, _, data = post(speech_door.url + "/v1/audio/speech",
+def test_c11_unknown_model_on_speech(front_door):
+    status, _, data = post(front_door.url + "/v1/audio/speech",
                            {"model": "does-not-exist", "input": "hi", "voice": "alloy"})
     assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found"

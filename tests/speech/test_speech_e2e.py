@@ -27,8 +27,8 @@ STORY_PROMPT = "Tell me a short story about a cat."
 
 
 @pytest.mark.parametrize("sentence", GATE_SENTENCES)
-def test_speech_quality_gate(speech_door, sentence, record_property):
-    status, headers, data = post(speech_door.url + "/v1/audio/speech",
+def test_speech_quality_gate(front_door, sentence, record_property):
+    status, headers, data = post(front_door.url + "/v1/audio/speech",
                                  {"model": "tts-1", "input": sentence, "voice": "alloy", "response_format": "wav"})
     assert status == 200, data
     assert headers["content-type"] == "audio/wav"
@@ -42,24 +42,24 @@ def test_speech_quality_gate(speech_door, sentence, record_property):
     assert recall >= 0.8, heard
 
 
-def test_speech_formats_and_speed(speech_door):
+def test_speech_formats_and_speed(front_door):
     body = {"model": MODEL, "input": "Hello there. How are you today?", "voice": "joe"}
-    status, headers, pcm = post(speech_door.url + "/v1/audio/speech", dict(body, response_format="pcm"))
+    status, headers, pcm = post(front_door.url + "/v1/audio/speech", dict(body, response_format="pcm"))
     assert status == 200 and headers["content-type"] == "audio/pcm" and headers["x-sample-rate"] == "24000"
     seconds = len(pcm) / 2 / 24000
     assert 1.0 < seconds < 6.0
     import soundfile
 
-    status, headers, flac = post(speech_door.url + "/v1/audio/speech", dict(body, response_format="flac"))
+    status, headers, flac = post(front_door.url + "/v1/audio/speech", dict(body, response_format="flac"))
     assert status == 200 and headers["content-type"] == "audio/flac"
     samples, rate = soundfile.read(io.BytesIO(flac), dtype="int16")
     assert rate == 22050 and abs(samples.size / rate - seconds) < 0.5
-    status, _, fast = post(speech_door.url + "/v1/audio/speech", dict(body, response_format="pcm", speed=2.0))
+    status, _, fast = post(front_door.url + "/v1/audio/speech", dict(body, response_format="pcm", speed=2.0))
     assert status == 200 and len(fast) < 0.7 * len(pcm)
     if "mp3" in tts_audio.formats():
-        status, headers, mp3 = post(speech_door.url + "/v1/audio/speech", dict(body, response_format="mp3"))
+        status, headers, mp3 = post(front_door.url + "/v1/audio/speech", dict(body, response_format="mp3"))
         assert status == 200 and headers["content-type"] == "audio/mpeg" and len(mp3) > 1000
-    status, error = post_json(speech_door.url + "/v1/audio/speech", dict(body, response_format="opus"))
+    status, error = post_json(front_door.url + "/v1/audio/speech", dict(body, response_format="opus"))
     assert status == 400 and error["error"]["param"] == "response_format" and "opus" in error["error"]["message"]
 
 
@@ -68,10 +68,10 @@ def chat_body(**extra):
             "temperature": 0, **extra}
 
 
-def test_chat_audio_transcript_equals_the_text_reply(speech_door):
-    status, text_reply = post_json(speech_door.url + "/v1/chat/completions", chat_body())
+def test_chat_audio_transcript_equals_the_text_reply(front_door):
+    status, text_reply = post_json(front_door.url + "/v1/chat/completions", chat_body())
     assert status == 200, text_reply
-    status, reply = post_json(speech_door.url + "/v1/chat/completions",
+    status, reply = post_json(front_door.url + "/v1/chat/completions",
                               chat_body(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}))
     assert status == 200, reply
     message = reply["choices"][0]["message"]
@@ -86,8 +86,8 @@ def test_chat_audio_transcript_equals_the_text_reply(speech_door):
     assert word_recall(expected, heard) >= 0.4  # made-up names (Luna, Elara) are not in the ASR vocabulary
 
 
-def test_streamed_chat_audio_starts_before_the_llm_finishes(speech_door, record_property):
-    events = sse_timed(speech_door.url + "/v1/chat/completions",
+def test_streamed_chat_audio_starts_before_the_llm_finishes(front_door, record_property):
+    events = sse_timed(front_door.url + "/v1/chat/completions",
                        chat_body(stream=True, modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
                                  stream_options={"include_usage": True}))
     assert events[-1][1] == "[DONE]"
@@ -108,7 +108,7 @@ def test_streamed_chat_audio_starts_before_the_llm_finishes(speech_door, record_
     assert chunks[-1][1]["choices"][0]["finish_reason"] == "length" or chunks[-1][1]["choices"][0]["finish_reason"]
     usage = [e for t, e in events[:-1] if not e["choices"]][0]["usage"]
     assert usage["completion_tokens"] > 0
-    status, text_reply = post_json(speech_door.url + "/v1/chat/completions", chat_body())
+    status, text_reply = post_json(front_door.url + "/v1/chat/completions", chat_body())
     assert transcript == text_reply["choices"][0]["message"]["content"]
 
 

@@ -50,11 +50,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         search_from = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += new_text
-        for stop in self.stop:
-            at = self.text.find(stop, search_from)
-            if at != -1:
-                self.text = self.text[:at]
-                return True
+        matches = [at for at in (self.text.find(stop, search_from) for stop in self.stop) if at != -1]
+        if matches:
+            self.text = self.text[:min(matches)]  # the earliest stop string wins, whatever the list order
+            return True
         return False
 
     def release(self, final: bool) -> str:

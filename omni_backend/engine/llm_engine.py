@@ -102,11 +102,17 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    def validate_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError if the request can never be served (too long for the model or the whole cache)."""
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never be served: a token id outside the vocabulary, or too long
+        for the model or the whole cache."""
+        num_prompt_tokens = len(prompt_token_ids)
         total = num_prompt_tokens + params.max_tokens
         if num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
+        vocab = self.runner.model.embed_tokens.num_embeddings
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_token_ids)}.."
+                             f"{max(prompt_token_ids)}")
         if total > self.config.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, you "
                              f"requested {total} tokens ({num_prompt_tokens} in the prompt, {params.max_tokens} "
@@ -125,7 +131,7 @@ class LLMEngine:
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
-        self.validate_request(len(prompt_token_ids), params)
+        self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds)
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)

@@ -93,7 +93,7 @@ class Scheduler:
             count = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, count):
                 break  # seq itself was preempted
-            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0:
+            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 decodes.append(seq)
             else:
                 prefills.append((seq, count))

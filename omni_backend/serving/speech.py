@@ -235,7 +235,8 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
     from omni_backend.serving.app import SYSTEM_FINGERPRINT, ClientGone, Generation, until_disconnect
 
     modalities = body.get("modalities") or ["text", "audio"]
-    if not isinstance(modalities, list) or set(modalities) - {"text", "audio"} or "audio" not in modalities:
+    if (not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities)
+            or set(modalities) - {"text", "audio"} or "audio" not in modalities):
         raise invalid("modalities must be [\"text\", \"audio\"] for audio output", "modalities")
     audio = body.get("audio")
     if not isinstance(audio, dict):

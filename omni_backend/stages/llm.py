@@ -120,7 +120,7 @@ class LLMService:
             NotAdmitting: the governor refuses new requests (critical GPU temperature); nothing was queued.
         """
         submitted = time.monotonic()
-        self.engine.validate_request(len(prompt_token_ids), params)
+        self.engine.validate_request(prompt_token_ids, params)
         if prompt_embeds is not None:
             prompt_embeds.check(len(prompt_token_ids))
         if self.governor is not None:
@@ -140,7 +140,19 @@ class LLMService:
 
     def _engine_loop(self) -> None:
         while not self._stopping.is_set():
-            self.run_once()
+            try:
+                self.run_once()
+            except Exception:  # the loop must outlive any fault, or every request in flight would hang
+                logger.exception("engine loop iteration failed; failing the requests in flight")
+                self._fail_all("engine loop failed (see server log)")
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("aborting %s failed", request_id)
+            self._outbox.put((request_id, message))
 
     def run_once(self) -> None:
         """One engine-loop iteration: governor, inbox, one engine step (or a wait of up to 0.1 s when idle).
@@ -161,9 +173,7 @@ class LLMService:
             outputs = engine.step()
         except Exception:  # a fault in one step must not take the stage down
             logger.exception("engine step failed; failing the requests in flight")
-            for request_id in list(engine.requests):
-                engine.abort(request_id)
-                self._outbox.put((request_id, "engine step failed (see server log)"))
+            self._fail_all("engine step failed (see server log)")
             return
         for output in outputs:
             self._outbox.put((output.request_id, output))
@@ -191,11 +201,14 @@ class LLMService:
                 request_id, item = self._outbox.get(timeout=CANCEL_POLL_INTERVAL_S)
             except queue.Empty:
                 item = None
-            if item is not None:
-                self._deliver(request_id, item)
-            if time.monotonic() >= next_poll:
-                self._poll_cancellations()
-                next_poll = time.monotonic() + CANCEL_POLL_INTERVAL_S
+            try:
+                if item is not None:
+                    self._deliver(request_id, item)
+                if time.monotonic() >= next_poll:
+                    self._poll_cancellations()
+                    next_poll = time.monotonic() + CANCEL_POLL_INTERVAL_S
+            except Exception:  # keep serving the other requests
+                logger.exception("response thread iteration failed")
 
     def _deliver(self, request_id: str, item: RequestOutput | str) -> None:
         submitted = None

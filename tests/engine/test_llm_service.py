@@ -61,13 +61,14 @@ def test_concurrent_streams_equal_offline_results(service, tiny_qwen2_path):
 
 def test_cancellation_frees_blocks_and_ends_the_stream(service):
     sink = ListSink()
-    service.submit("long", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True, stream=True), sink)
+    service.submit("long", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True, stream=True), sink)
     deadline = time.monotonic() + 10
     while not sink.outputs and time.monotonic() < deadline:
         time.sleep(0.01)
     sink.cancelled = True
     assert not sink.done.wait(0.5)  # nothing more is sent on a cancelled stream (Triton closes it)
-    assert sink.outputs[-1].completion_tokens < 400
+    assert "long" not in service.engine.requests  # aborted, not run to its 500 tokens
+    assert sink.outputs[-1].completion_tokens < 500
     deadline = time.monotonic() + 5
     while service.engine.runner.block_manager.num_free_blocks != 64 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -92,3 +93,30 @@ def test_engine_config_from_triton_parameters(tiny_qwen2_path):
         32, 1048576, 4, 256)
     with pytest.raises(ValueError):
         engine_config_from_parameters({"model_path": "x", "device": "cpu", "block_size": "sixteen"})
+
+
+def test_out_of_vocabulary_ids_are_refused_and_the_stage_keeps_serving(service):
+    vocab = service.engine.runner.model.embed_tokens.num_embeddings
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(ValueError, match="token ids must be in"):
+            service.submit(f"bad{bad[-1]}", bad, SamplingParams(max_tokens=2), ListSink())
+    sink = ListSink()
+    service.submit("fine", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), sink)
+    assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 2
+
+
+def test_the_engine_loop_survives_a_failing_iteration(service, monkeypatch):
+    calls = {"n": 0}
+    real_drain = service._drain_inbox
+
+    def flaky_drain():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        real_drain()
+
+    monkeypatch.setattr(service, "_drain_inbox", flaky_drain)
+    sink = ListSink()
+    service.submit("after-fault", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), sink)
+    assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 2
+    assert calls["n"] > 1

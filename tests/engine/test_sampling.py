@@ -140,3 +140,29 @@ def test_logprobs_are_consistent(engine):
         assert entry.token_id == top_ids[0]  # greedy picks the most likely token
         assert entry.logprob == pytest.approx(entry.top[0][1])
         assert entry.logprob <= 0
+
+
+class CharTokenizer:
+    """One token per character (id = code point): enough to test stop-string handling exactly."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("stops,text,expected", [
+    (["b", "a"], "xab", "x"),            # earliest match wins, whatever the list order
+    (["cd", "bcx"], "abcd", "ab"),       # a held-back prefix of one stop that turns into another
+    (["zz"], "abz", "abz"),              # no match: everything is released at the end
+])
+def test_stop_strings_cut_at_the_earliest_match(stops, text, expected):
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord(">")], stop=stops)
+    released, stopped = "", False
+    for ch in text:
+        stopped = detok.add_token(ord(ch))
+        released += detok.release(final=stopped)
+        if stopped:
+            break
+    if not stopped:
+        released += detok.release(final=True)
+    assert released == expected
+    assert not any(stop in released for stop in stops)

@@ -427,8 +427,12 @@ def create_app(config: ServingConfig) -> FastAPI:
             await until_disconnect(request, generation.start(prompts, req.n, max_tokens, req.seed))
             door.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
             if req.stream:
+                async def release() -> None:
+                    await generation.close()
+                    await admission.__aexit__(None, None, None)
+
                 events = stream_events(kind, req, generation, request_id)
-                return EventSourceResponse(guarded(events, admission), ping=15, sep="\n")
+                return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n")
             results = await until_disconnect(request, collect(generation))
         except ClientGone:
             await admission.__aexit__(None, None, None)
@@ -443,13 +447,6 @@ def create_app(config: ServingConfig) -> FastAPI:
         door.metrics.prompt_tokens.inc(usage["prompt_tokens"])
         door.metrics.completion_tokens.inc(usage["completion_tokens"])
         return JSONResponse(build_response(kind, req, generation, results, usage, request_id))
-
-    async def guarded(events: AsyncIterator, admission) -> AsyncIterator:
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await admission.__aexit__(None, None, None)
 
     app.include_router(v1)
     app.include_router(door.v2.router(check_key))
@@ -476,6 +473,24 @@ def build_response(kind: str, req, generation: Generation, results: list[dict], 
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": protocol.now(), "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices, "usage": usage}
+
+
+class ReleasingEventSourceResponse(EventSourceResponse):
+    """An SSE response that calls `release` when it ends, however it ends (finished, client gone, cancelled).
+
+    Cleanup in the body generator's `finally` alone is not enough: a generator that never started (the client
+    left before the first read) never runs it, and the request would keep its concurrency slot and streams.
+    """
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
 
 
 async def stream_events(kind: str, req, generation: Generation, request_id: str) -> AsyncIterator:

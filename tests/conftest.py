@@ -26,7 +26,8 @@ from omni_backend.triton_server import TritonServer  # noqa: E402
 # Small KV cache: enough for the tests' concurrency, light on a 2-core CI machine.
 # float32: greedy equality across batch compositions (a request alone vs among 8) holds in fp32; bf16 matmuls
 # (the CPU default where AMX/AVX512-BF16 exist) round differently at different batch sizes.
-TEST_SETTINGS = {"kv_cache_bytes": 64 * 1024 * 1024, "max_num_seqs": 16, "dtype": "float32"}
+# 96 MiB of fp32 KV holds 2184 tokens: one max_model_len (2048) request fits, as requests without max_tokens need.
+TEST_SETTINGS = {"kv_cache_bytes": 96 * 1024 * 1024, "max_num_seqs": 16, "dtype": "float32"}
 
 
 def _start_server(tmp_path_factory, models: list[str] | None) -> TritonServer:

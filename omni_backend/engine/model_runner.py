@@ -90,6 +90,10 @@ class ModelRunner:
             raise ValueError(f"KV cache budget holds no block of {per_block} bytes")
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", blocks, config.block_size,
                     blocks * per_block / 2**20)
+        if blocks * config.block_size < config.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len %d: requests longer than the cache "
+                           "(e.g. without max_tokens) will be refused", blocks * config.block_size,
+                           config.max_model_len)
         return blocks
 
     def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:

@@ -20,7 +20,7 @@ MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "au
 def mm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-mm")
     repository.render_repository(root / "model_repository", models=MODELS, dtype="float32",
-                                 kv_cache_bytes=64 * 1024 * 1024, max_num_seqs=16)
+                                 kv_cache_bytes=96 * 1024 * 1024, max_num_seqs=16)
     http, grpc, metrics = free_ports(3)
     server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
                           exit_timeout_s=5, log_file=root / "tritonserver.log", env={"TRITON_INTERPRET": None})

@@ -259,3 +259,12 @@ def test_c20_generate_returns_only_generated_text(api, triton_server):
     status, _, answer = api("/v2/models/omni_chat/generate", {"text_input": prompt, "max_tokens": 8,
                                                                "stream": True})
     assert status == 400 and "generate_stream" in answer["error"]
+
+
+def test_chat_without_max_tokens_generates_up_to_the_context(api):
+    """No max_tokens: the front door asks for the rest of the context, which the engine's KV cache must be able
+    to hold (the test server's cache is sized for max_model_len, as the default settings are)."""
+    status, _, body = api("/v1/chat/completions", {"model": MODEL, "temperature": 0,
+                                                   "messages": [{"role": "user", "content": "Say hi."}]})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["message"]["content"]

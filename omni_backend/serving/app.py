@@ -19,11 +19,12 @@ from typing import AsyncIterator
 import aiohttp
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sse_starlette import ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_backend.ops.metrics import NOT_ADMITTING, governor_states
+from omni_backend.serving.sse import ReleasingEventSourceResponse
 from omni_backend.serving import errors, images, protocol, speech
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError, invalid
@@ -473,24 +474,6 @@ def build_response(kind: str, req, generation: Generation, results: list[dict], 
     return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": protocol.now(), "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices, "usage": usage}
-
-
-class ReleasingEventSourceResponse(EventSourceResponse):
-    """An SSE response that calls `release` when it ends, however it ends (finished, client gone, cancelled).
-
-    Cleanup in the body generator's `finally` alone is not enough: a generator that never started (the client
-    left before the first read) never runs it, and the request would keep its concurrency slot and streams.
-    """
-
-    def __init__(self, content, release, **kwargs):
-        super().__init__(content, **kwargs)
-        self._release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._release()
 
 
 async def stream_events(kind: str, req, generation: Generation, request_id: str) -> AsyncIterator:

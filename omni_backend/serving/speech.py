@@ -27,10 +27,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.errors import OpenAIError, invalid
+from omni_backend.serving.sse import ReleasingEventSourceResponse
 from omni_backend.stages import tts_audio
 from omni_backend.stages.tts_options import SpeechOptions, check_speed, resolve_voice
 from omni_backend.stages.tts_text import SentenceChunker
@@ -265,7 +266,11 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
         await until_disconnect(request, generation.start([values], 1, req.completion_limit, req.seed))
         if req.stream:
             events = _stream_events(req, generation, backend, options, request_id, audio_id, SYSTEM_FINGERPRINT)
-            return EventSourceResponse(_guarded(events, admission), ping=15, sep="\n")
+            async def release() -> None:
+                await generation.close()
+                await admission.__aexit__(None, None, None)
+
+            return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n")
         text, samples, rate, last = await until_disconnect(request, _collect(generation, backend, options))
     except ClientGone:
         await admission.__aexit__(None, None, None)
@@ -398,14 +403,6 @@ async def _stream_events(req, generation, backend, options, request_id, audio_id
     except OpenAIError as exc:
         yield ServerSentEvent(json.dumps(exc.body()))
         yield ServerSentEvent("[DONE]")
-
-
-async def _guarded(events: AsyncIterator, admission) -> AsyncIterator:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        await admission.__aexit__(None, None, None)
 
 
 __all__ = ["SpeechBackend", "chat_with_audio", "register", "wants_audio"]

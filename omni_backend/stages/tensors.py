@@ -71,3 +71,36 @@ def as_text(value, name: str) -> str:
 def string_tensor(*values: str) -> np.ndarray:
     """A 1-D object array of UTF-8 bytes, the form Triton expects for STRING outputs (shape [len(values)])."""
     return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+
+
+def request_arrays(pb_utils, request, names) -> dict:
+    """{name: numpy array} of the inputs of a Triton request that are present (optional ones may be absent).
+
+    `pb_utils` is the stub's `triton_python_backend_utils` module, passed in because it only exists inside a
+    Triton stub process.
+    """
+    arrays = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def respond_each(pb_utils, requests, names, run, stage: str) -> list:
+    """One InferenceResponse per request: `run(arrays) -> {name: array}`; ValueError -> INVALID_ARG, any other
+    exception -> INTERNAL naming `stage` (one bad request never takes the stub down)."""
+    responses = []
+    for request in requests:
+        try:
+            outputs = run(request_arrays(pb_utils, request, names))
+        except ValueError as exc:
+            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+            responses.append(pb_utils.InferenceResponse(error=error))
+            continue
+        except Exception as exc:
+            error = pb_utils.TritonError(f"{stage} failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            responses.append(pb_utils.InferenceResponse(error=error))
+            continue
+        responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
+    return responses

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.stages.tensors import request_arrays
 from omni_backend.stages.diffusion import INPUT_NAMES, DiffusionStage, ImageLimits, ImageRequest
 
 
@@ -19,11 +20,7 @@ class TritonPythonModel:
         responses = [None] * len(requests)
         valid, indices = [], []
         for index, request in enumerate(requests):
-            arrays = {}
-            for name in INPUT_NAMES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    arrays[name] = tensor.as_numpy()
+            arrays = request_arrays(pb_utils, request, INPUT_NAMES)
             try:
                 valid.append(ImageRequest.from_arrays(arrays, self.stage.limits))
                 indices.append(index)

@@ -4,6 +4,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.stages.tensors import respond_each
 from omni_backend.stages.postprocess import INPUT_NAMES, Postprocessor
 
 
@@ -14,23 +15,4 @@ class TritonPythonModel:
         self.stage = Postprocessor.from_pretrained(setting["llm_model_path"])
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            arrays = {}
-            for name in INPUT_NAMES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    arrays[name] = tensor.as_numpy()
-            try:
-                outputs = self.stage.run(arrays)
-            except ValueError as exc:
-                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                responses.append(pb_utils.InferenceResponse(error=error))
-                continue
-            except Exception as exc:  # never take the stub down: answer this request with an error
-                message = f"postprocess failed: {type(exc).__name__}: {exc}"
-                error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
-                responses.append(pb_utils.InferenceResponse(error=error))
-                continue
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
-        return responses
+        return respond_each(pb_utils, requests, INPUT_NAMES, self.stage.run, "postprocess")

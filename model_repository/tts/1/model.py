@@ -8,6 +8,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.stages.tensors import request_arrays
 from omni_backend.stages.tts import ENGINES, INPUT_NAMES, SpeechStage, SpeechWorker
 
 
@@ -44,11 +45,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sink = _Sink(request.get_response_sender())
-            arrays = {}
-            for name in INPUT_NAMES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    arrays[name] = tensor.as_numpy()
+            arrays = request_arrays(pb_utils, request, INPUT_NAMES)
             try:
                 options, chunks = self.stage.plan(arrays)
             except ValueError as exc:

@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
+from list_sink import ListSink
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.stages.llm import LLMService, engine_config_from_parameters
-
-
-class ListSink:
-    def __init__(self):
-        self.outputs = []
-        self.errors = []
-        self.cancelled = False
-        self.done = threading.Event()
-
-    def send(self, output):
-        self.outputs.append(output)
-        if output.finished:
-            self.done.set()
-
-    def fail(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def is_cancelled(self):
-        return self.cancelled
 
 
 @pytest.fixture()

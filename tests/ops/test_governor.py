@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import pytest
+from list_sink import ListSink
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
@@ -17,24 +17,6 @@ from omni_backend.ops.hardware import Nvml
 from omni_backend.stages.llm import LLMService
 
 MAX_SEQS = 8
-
-
-class ListSink:
-    def __init__(self):
-        self.outputs, self.errors = [], []
-        self.done = threading.Event()
-
-    def send(self, output):
-        self.outputs.append(output)
-        if output.finished:
-            self.done.set()
-
-    def fail(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def is_cancelled(self):
-        return False
 
 
 def make_service(path, gpu: FakeGpu, **governor_settings) -> LLMService:

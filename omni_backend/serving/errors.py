@@ -61,6 +61,16 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
 
+def required_text(body: dict, field: str) -> str:
+    """`body[field]` as a non-blank string. Raises OpenAIError 400 naming `field` otherwise."""
+    value = body.get(field)
+    if not isinstance(value, str):
+        raise invalid(f"'{field}' is a required property and must be a string", field)
+    if not value.strip():
+        raise invalid(f"{field} must not be empty", field)
+    return value
+
+
 def model_not_found(model: str) -> OpenAIError:
     """The one 404 every endpoint answers for an unknown model."""
     return OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",

@@ -121,11 +121,7 @@ def register(router: APIRouter, door) -> None:
             raise invalid("'model' is a required property", "model")
         if model not in IMAGE_MODEL_NAMES:
             door.pipeline_for(body)  # 404 model_not_found unless it is a served model
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise invalid("'prompt' is a required property and must be a string", "prompt")
-        if not prompt.strip():
-            raise invalid("prompt must not be empty", "prompt")
+        prompt = errors.required_text(body, "prompt")
         limits = await backend.limits()
         size = body.get("size")
         if size is None or size == "auto":

@@ -165,11 +165,7 @@ def register(router: APIRouter, door) -> None:
             raise invalid("'model' is a required property", "model")
         if model not in SPEECH_MODEL_NAMES:
             door.pipeline_for(body)  # 404 model_not_found unless it is a served model
-        text = body.get("input")
-        if not isinstance(text, str):
-            raise invalid("'input' is a required property and must be a string", "input")
-        if not text.strip():
-            raise invalid("input must not be empty", "input")
+        text = errors.required_text(body, "input")
         if len(text) > MAX_INPUT_CHARS:
             raise invalid(f"input is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input")
         voice = _voice(body.get("voice"), "voice")

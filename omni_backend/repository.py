@@ -13,6 +13,8 @@ Settings (placeholder name, environment variable, default):
     kv_cache_bytes     OMNI_KV_CACHE_BYTES     536870912 (512 MiB)
     block_size         OMNI_BLOCK_SIZE         16 tokens per KV-cache block
     max_num_batched_tokens OMNI_MAX_NUM_BATCHED_TOKENS 1024 tokens per engine step (prefill chunks + decodes)
+    max_queued_requests OMNI_MAX_QUEUED_REQUESTS 256 requests waiting at the llm stage beyond max_num_seqs
+                                               (more are refused: UNAVAILABLE; 0: no limit)
     device             OMNI_DEVICE             auto (cuda when available, else cpu)
     dtype              OMNI_DTYPE              auto
     attention_backend  OMNI_ATTENTION_BACKEND  auto
@@ -53,6 +55,8 @@ class Settings:
         kv_cache_bytes: bytes reserved for the paged KV cache.
         block_size: tokens per KV-cache block.
         max_num_batched_tokens: per-step token budget of the engine (prefill chunks + decodes).
+        max_queued_requests: requests the llm stage holds beyond `max_num_seqs` (waiting to run); a request
+            beyond that is refused at once with UNAVAILABLE "waiting queue is full" (0: no limit).
         device: "auto", "cpu" or "cuda[:n]" for the llm stage.
         dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
         attention_backend: "auto", "torch" or "triton".
@@ -65,6 +69,7 @@ class Settings:
     kv_cache_bytes: int = 512 * 1024 * 1024
     block_size: int = 16
     max_num_batched_tokens: int = 1024
+    max_queued_requests: int = 256
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -77,15 +82,18 @@ class Settings:
         if not self.diffusion_model_path:
             self.diffusion_model_path = _default_diffusion_model_path()
         self.diffusion_model_path = str(Path(self.diffusion_model_path).expanduser().absolute())
-        for name in ("max_model_len", "max_num_seqs", "kv_cache_bytes", "block_size", "max_num_batched_tokens"):
+        positive = ("max_model_len", "max_num_seqs", "kv_cache_bytes", "block_size", "max_num_batched_tokens")
+        for name in positive + ("max_queued_requests",):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:
                     value = int(value)
                 except ValueError:
                     raise ValueError(f"setting {name} must be an integer, got {value!r}") from None
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"setting {name} must be a positive integer, got {value!r}")
+            low = 1 if name in positive else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a positive integer" if low else "an integer >= 0"
+                raise ValueError(f"setting {name} must be {kind}, got {value!r}")
             setattr(self, name, value)
 
     @classmethod

@@ -13,17 +13,20 @@ def test_defaults_are_absolute_and_documented_values():
     assert (settings.max_model_len, settings.max_num_seqs, settings.block_size) == (2048, 32, 16)
     assert settings.kv_cache_bytes == 512 * 1024 * 1024
     assert (settings.dtype, settings.attention_backend) == ("auto", "auto")
+    assert settings.max_queued_requests == 256
 
 
 def test_environment_then_overrides():
     settings = Settings.load({"max_num_seqs": 4}, environ={"OMNI_MAX_MODEL_LEN": "512", "OMNI_MAX_NUM_SEQS": "8"})
     assert (settings.max_model_len, settings.max_num_seqs) == (512, 4)
+    assert Settings.load(environ={"OMNI_MAX_QUEUED_REQUESTS": "0"}).max_queued_requests == 0  # 0: no limit
 
 
 @pytest.mark.parametrize("overrides, fragment", [
     ({"max_model_length": 5}, "unknown repository setting"),
     ({"max_model_len": 0}, "max_model_len must be a positive integer"),
     ({"kv_cache_bytes": "lots"}, "kv_cache_bytes must be an integer"),
+    ({"max_queued_requests": -1}, "max_queued_requests must be an integer >= 0, got -1"),
 ])
 def test_bad_settings_are_rejected(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -40,7 +43,7 @@ def test_render_config_substitutes_and_escapes():
 
 def test_render_repository(tmp_path):
     out = tmp_path / "repo"
-    assert render_repository(out, kv_cache_bytes=1 << 20)
+    assert render_repository(out, kv_cache_bytes=1 << 20, max_queued_requests=7)
     names = repository.model_names()
     assert {"preprocess", "llm", "postprocess", "omni_chat"} <= set(names)
     for name in names:
@@ -49,8 +52,10 @@ def test_render_repository(tmp_path):
         assert (out / name / "1").is_dir()
     assert (out / "preprocess" / "1" / "model.py").read_text() == (
         paths.MODEL_REPOSITORY_TEMPLATES / "preprocess" / "1" / "model.py").read_text()
-    assert '"1048576"' in (out / "llm" / "config.pbtxt").read_text()
-    assert not render_repository(out, kv_cache_bytes=1 << 20)  # unchanged: left alone
+    llm_config = (out / "llm" / "config.pbtxt").read_text()
+    assert '"1048576"' in llm_config
+    assert 'key: "max_queued_requests" value: { string_value: "7" }' in llm_config
+    assert not render_repository(out, kv_cache_bytes=1 << 20, max_queued_requests=7)  # unchanged: left alone
     assert render_repository(out, models=["preprocess"])  # a subset replaces the folder
     assert sorted(p.name for p in out.iterdir()) == ["preprocess"]
     with pytest.raises(ValueError, match="no such model"):

@@ -7,7 +7,8 @@ OpenAI API uses. Triton errors reach us two ways:
   the client's fault (400), UNAVAILABLE means overloaded or not ready (503 + Retry-After), the rest are faults.
 - a gRPC stream (the llm stage) carries only the error *message* (Triton 2.51's ModelStreamInferResponse has no
   status code), so `stream_error` classifies it by the llm stage's own wording: the stage answers bad requests
-  with INVALID_ARG and a message naming the problem, and faults with "llm failed: ..." or "engine step failed".
+  with INVALID_ARG and a message naming the problem, faults with "llm failed: ..." or "engine step failed", and
+  overload ("waiting queue is full ...", its bounded queue) with UNAVAILABLE, answered here as 429.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ TENSOR_FIELDS = {
     "text_input": "prompt", "prompt_token_ids": "prompt", "random_seed": "seed", "stop_words": "stop",
 }
 
+_QUEUE_FULL = re.compile(r"waiting queue is full", re.I)  # omni_backend.stages.llm.QUEUE_FULL_MESSAGE
 _UNAVAILABLE = re.compile(
-    r"waiting queue is full|shutting down|not ready|unavailable|exceeds maximum queue size|overloaded"
-    r"|not admitting new requests", re.I
+    r"shutting down|not ready|unavailable|exceeds maximum queue size|overloaded|not admitting new requests", re.I
 )
 _FAULT = re.compile(r"^(llm|preprocess|postprocess) failed:|engine step failed", re.I)
 _CONTEXT = re.compile(r"maximum context length", re.I)
@@ -90,6 +91,11 @@ def overloaded(limit: int) -> OpenAIError:
                        None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
 
 
+def queue_full(message: str) -> OpenAIError:
+    """429 with Retry-After: the llm stage's waiting queue is full (`max_queued_requests`), `message` its words."""
+    return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+
+
 def internal(message: str) -> OpenAIError:
     """500: a real fault in the server."""
     return OpenAIError(500, message, "server_error", None, "internal_error")
@@ -130,6 +136,8 @@ _KNOWN_FIELDS = {
 
 def stream_error(message: str, prompt_field: str) -> OpenAIError:
     """Classify an error that arrived on a gRPC stream (message only; see the module docstring)."""
+    if _QUEUE_FULL.search(message):
+        return queue_full(re.sub(r"^in ensemble '[^']*', ", "", message))
     if _UNAVAILABLE.search(message):
         return unavailable(message)
     if _FAULT.search(message):

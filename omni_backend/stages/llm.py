@@ -9,6 +9,10 @@ engine's gauges once per `metrics_interval_s` (see omni_backend/ops/metrics.py).
 The power/temperature governor (omni_backend/ops/governor.py) is consulted once per loop iteration: it sets the
 scheduler's sequences-per-step limit, and while the GPU is at its critical temperature `submit` refuses new
 requests with `NotAdmitting` (Triton UNAVAILABLE) while admitted ones run to the end.
+
+Overload: the service holds at most `max_num_seqs + max_queued_requests` requests (running plus waiting); past
+that `submit` refuses at once with `QueueFull` (Triton UNAVAILABLE, "waiting queue is full ... retry later"),
+so a burst never grows an unbounded queue, and every request it accepted runs to the end.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
 logger = logging.getLogger(__name__)
 
 CANCEL_POLL_INTERVAL_S = 0.05
+QUEUE_FULL_MESSAGE = "waiting queue is full"  # how QueueFull's message starts (serving/errors.py matches it)
+
+
+class QueueFull(RuntimeError):
+    """A new request arrived while the service already holds `max_num_seqs + max_queued_requests` requests
+    (Triton UNAVAILABLE; the OpenAI front door answers 429 with Retry-After). Nothing was queued."""
 
 
 class ResponseSink(Protocol):
@@ -42,6 +52,24 @@ class ResponseSink(Protocol):
     def fail(self, message: str) -> None: ...
 
     def is_cancelled(self) -> bool: ...
+
+
+def max_queued_requests_from_parameters(parameters: dict[str, str]) -> int:
+    """The `max_queued_requests` parameter: requests held beyond max_num_seqs (0, empty or absent: no limit).
+
+    Raises:
+        ValueError: not an integer >= 0.
+    """
+    text = (parameters.get("max_queued_requests") or "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"max_queued_requests must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"max_queued_requests must be an integer >= 0, got {value}")
+    return value
 
 
 def engine_config_from_parameters(parameters: dict[str, str]) -> EngineConfig:
@@ -79,14 +107,25 @@ class LLMService:
         governor: power/temperature governor of the engine's GPU (None: never limits).
         metrics: where the metrics thread publishes (None: no metrics thread).
         metrics_interval_s: seconds between publications.
+        max_queued_requests: requests held beyond the engine's `max_num_seqs` (they wait to run); `submit`
+            refuses more with QueueFull. 0: no limit.
+
+    Raises:
+        ValueError: max_queued_requests < 0.
     """
 
     def __init__(self, engine: LLMEngine, governor: Governor | None = None, metrics: LLMMetrics | None = None,
-                 metrics_interval_s: float = 1.0):
+                 metrics_interval_s: float = 1.0, max_queued_requests: int = 0):
+        if max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
         self.governor = governor
         self.metrics = metrics
         self.metrics_interval_s = metrics_interval_s
+        self.max_queued_requests = max_queued_requests
+        # requests held at once (running + waiting), None: no limit
+        self.capacity = engine.config.max_num_seqs + max_queued_requests if max_queued_requests else None
+        self.num_rejected = 0  # requests refused with QueueFull since start
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, ResponseSink] = {}
@@ -118,6 +157,7 @@ class LLMService:
         Raises:
             ValueError: the request can never be served (length limits); nothing was queued.
             NotAdmitting: the governor refuses new requests (critical GPU temperature); nothing was queued.
+            QueueFull: `capacity` requests are already held (running or waiting); nothing was queued.
         """
         submitted = time.monotonic()
         self.engine.validate_request(prompt_token_ids, params)
@@ -128,6 +168,11 @@ class LLMService:
         with self._sinks_lock:
             if request_id in self._sinks:
                 raise ValueError(f"duplicate request id {request_id}")
+            if self.capacity is not None and len(self._sinks) >= self.capacity:
+                self.num_rejected += 1
+                raise QueueFull(f"{QUEUE_FULL_MESSAGE}: the llm stage holds {len(self._sinks)} requests "
+                                f"(max_num_seqs {self.engine.config.max_num_seqs} running + max_queued_requests "
+                                f"{self.max_queued_requests} waiting); retry later")
             self._sinks[request_id] = sink
             self._submitted[request_id] = submitted
         self._inbox.put(("add", request_id, (prompt_token_ids, prompt_embeds), params))
@@ -311,10 +356,11 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
         ValueError: malformed parameters; what LLMEngine raises.
     """
     config = engine_config_from_parameters(parameters)
+    max_queued_requests = max_queued_requests_from_parameters(parameters)
     governor_config = GovernorConfig.from_parameters(parameters)
     engine = LLMEngine(config)
     governor = Governor.for_device(config.torch_device, config.max_num_seqs, governor_config)
     metrics = None
     if pb_utils is not None:
         metrics = LLMMetrics(pb_utils, model, version, engine.runner.attention_backend)
-    return LLMService(engine, governor, metrics, metrics_interval_s)
+    return LLMService(engine, governor, metrics, metrics_interval_s, max_queued_requests)

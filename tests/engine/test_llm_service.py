@@ -10,7 +10,8 @@ from list_sink import ListSink
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.stages.llm import LLMService, engine_config_from_parameters
+from omni_backend.stages.llm import (LLMService, QueueFull, engine_config_from_parameters,
+                                     max_queued_requests_from_parameters)
 
 
 @pytest.fixture()
@@ -100,3 +101,43 @@ def test_the_engine_loop_survives_a_failing_iteration(service, monkeypatch):
     service.submit("after-fault", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), sink)
     assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 2
     assert calls["n"] > 1
+
+
+def test_a_full_queue_refuses_at_once_and_every_accepted_request_completes(tiny_qwen2_path):
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                    max_num_seqs=2, max_model_len=512))
+    service = LLMService(engine, max_queued_requests=3)
+    assert service.capacity == 5
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stream=True)
+    sinks = [ListSink() for _ in range(5)]
+    for i, sink in enumerate(sinks):  # not started yet: all five stay held (2 to run, 3 waiting)
+        service.submit(f"r{i}", [10 + i, 20, 30], params, sink)
+    with pytest.raises(QueueFull, match=r"^waiting queue is full: the llm stage holds 5 requests \(max_num_seqs 2 "
+                                        r"running \+ max_queued_requests 3 waiting\); retry later$"):
+        service.submit("r5", [15, 20, 30], params, ListSink())
+    assert service.num_rejected == 1 and service.num_active == 5 and "r5" not in service._submitted
+    service.start()
+    try:
+        offline = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                         max_model_len=512)).generate([[10 + i, 20, 30] for i in range(5)], params)
+        for sink, expected in zip(sinks, offline):
+            assert sink.done.wait(30)
+            assert sink.errors == []
+            assert [t for o in sink.outputs for t in o.token_ids] == expected.token_ids
+            assert (sink.outputs[-1].completion_tokens, sink.outputs[-1].finish_reason) == (6, "length")
+        after = ListSink()
+        service.submit("after", [15, 20, 30], params, after)  # room again
+        assert after.done.wait(30) and after.outputs[-1].completion_tokens == 6
+        assert service.num_active == 0
+    finally:
+        service.shutdown()
+
+
+def test_max_queued_requests_parameter():
+    assert max_queued_requests_from_parameters({"max_queued_requests": "256"}) == 256
+    assert max_queued_requests_from_parameters({"max_queued_requests": ""}) == 0  # no limit
+    assert max_queued_requests_from_parameters({}) == 0
+    with pytest.raises(ValueError, match="max_queued_requests must be an integer >= 0, got -1"):
+        max_queued_requests_from_parameters({"max_queued_requests": "-1"})
+    with pytest.raises(ValueError, match="max_queued_requests must be an integer >= 0, got 'many'"):
+        max_queued_requests_from_parameters({"max_queued_requests": "many"})

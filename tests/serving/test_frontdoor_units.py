@@ -45,7 +45,12 @@ def test_chat_request_becomes_pipeline_inputs():
 
 
 def test_stream_errors_are_classified_by_the_llm_stage_wording():
-    assert errors.stream_error("waiting queue is full (64 requests)", "prompt").status == 503
+    full = errors.stream_error("in ensemble 'omni_chat', waiting queue is full: the llm stage holds 4 requests "
+                               "(max_num_seqs 2 running + max_queued_requests 2 waiting); retry later", "prompt")
+    assert (full.status, full.type, full.code, full.headers()) == (
+        429, "rate_limit_error", "rate_limit_exceeded", {"Retry-After": "1"})
+    assert full.message.startswith("waiting queue is full: the llm stage holds 4 requests")
+    assert errors.stream_error("server is shutting down", "prompt").status == 503
     hot = errors.stream_error("not admitting new requests: GPU temperature 95 C is at or above the critical 90 C; "
                               "retry after 30 s", "prompt")
     assert hot.status == 503 and hot.headers() == {"Retry-After": "30"}

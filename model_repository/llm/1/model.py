@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.ops.governor import NotAdmitting
-from omni_backend.stages.llm import create_service
+from omni_backend.stages.llm import QueueFull, create_service
 
 
 class _Sink:
@@ -86,7 +86,7 @@ class TritonPythonModel:
                 self.service.submit(request_id, ids, params, sink, prompt_embeds=embeds)
             except (ValueError, UnicodeDecodeError) as exc:
                 sink.fail(str(exc))
-            except NotAdmitting as exc:  # critical GPU temperature: HTTP 503, gRPC UNAVAILABLE
+            except (NotAdmitting, QueueFull) as exc:  # GPU too hot, or overloaded: refused now, retry later
                 sink.fail(str(exc), pb_utils.TritonError.UNAVAILABLE)
             except Exception as exc:  # never take the stub down for one request
                 sink.fail(f"llm failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)

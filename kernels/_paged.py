@@ -67,7 +67,7 @@ def gather_kv(
     lengths: torch.Tensor,
     max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Materialise the first ``lengths[b]`` tokens of each sequence from the paged cache.
+    """Materialise the first ``lengths[b]`` tokens of each sequence from the paged cache, heads first.
 
     Args:
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -76,11 +76,12 @@ def gather_kv(
         max_len: Python int >= max(lengths): the padded length ``L`` of the result.
 
     Returns:
-        ``(k, v, valid)``: k, v ``[B, L, num_kv_heads, head_dim]`` in the cache dtype and bool
-        ``valid [B, L]``. Padding positions (``valid`` False) repeat the row's first token, so they
-        hold finite data and a zero softmax weight keeps them out of the result; rows with
-        ``lengths[b] == 0`` read slot 0 (possibly garbage): callers must zero those rows.
-        Block-table entries past ``lengths[b]`` are never used as indices.
+        ``(k, v, valid)``: k, v contiguous ``[B, num_kv_heads, L, head_dim]`` in the cache dtype (the layout
+        batched matmuls take without a copy: ``k.transpose(-1, -2)`` is a view) and bool ``valid [B, L]``.
+        Padding positions (``valid`` False) repeat the row's first token, so they hold finite data and a
+        zero softmax weight keeps them out of the result; rows with ``lengths[b] == 0`` read slot 0
+        (possibly garbage): callers must zero those rows. Block-table entries past ``lengths[b]`` are never
+        used as indices.
     """
     block_size = k_cache.shape[1]
     device = k_cache.device
@@ -95,10 +96,14 @@ def gather_kv(
 
 
 def _take(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache[slot // block_size, slot % block_size]`` for int64 ``slots [B, L]`` -> ``[B, L, H, D]``."""
+    """``cache[slot // block_size, slot % block_size, h]`` for int64 ``slots [B, L]`` -> ``[B, H, L, D]``.
+
+    A cache whose (block, offset, head) dimensions merge into one row index (the engine's contiguous cache)
+    is read with one ``index_select`` of rows ``slot * H + h``, straight into the heads-first layout.
+    """
     num_blocks, block_size, heads, head_dim = cache.shape
-    if cache.stride(0) == block_size * cache.stride(1):  # blocks and offsets merge into one dim
-        flat = cache.view(num_blocks * block_size, heads, head_dim) if cache.is_contiguous() else \
-            cache.as_strided((num_blocks * block_size, heads, head_dim), (cache.stride(1),) + cache.stride()[2:])
-        return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, heads, head_dim)
-    return cache[slots // block_size, slots % block_size]
+    if cache.stride(1) == heads * cache.stride(2) and cache.stride(0) == block_size * cache.stride(1):
+        rows = cache.as_strided((num_blocks * block_size * heads, head_dim), (cache.stride(2), cache.stride(3)))
+        index = slots[:, None, :] * heads + torch.arange(heads, device=slots.device)[None, :, None]  # [B, H, L]
+        return rows.index_select(0, index.reshape(-1)).view(*index.shape, head_dim)
+    return cache[slots // block_size, slots % block_size].transpose(1, 2).contiguous()

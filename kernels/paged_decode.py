@@ -361,9 +361,12 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """Torch version of :func:`paged_decode_attention` (same contract); the engine's CPU path.
 
-    Vectorised over the batch: gathers K/V up to ``max(context_lens)`` (one device sync), computes
-    masked softmax attention in fp32 and casts to query's dtype. ``num_splits`` and ``workspace``
-    are validated but otherwise ignored. Memory: ``O(B * max_context * num_kv_heads * head_dim)``.
+    Vectorised over the batch: gathers K/V up to ``max(context_lens)`` (one device sync) heads first,
+    so both matmuls read them without a copy. Precision follows the kernel: scores and softmax in fp32,
+    then probabilities cast to the cache dtype for ``P @ V`` (the kernel's ``tl.dot(p.to(v.dtype), v)``;
+    torch's CPU matmuls accumulate low-precision operands in fp32 as ``tl.dot`` does), the result cast to
+    query's dtype. ``num_splits`` and ``workspace`` are validated but otherwise ignored.
+    Memory: ``O(B * max_context * num_kv_heads * head_dim)``.
     """
     _check(query, k_cache, v_cache, block_tables, context_lens, num_splits, out, workspace)
     batch, num_q_heads, head_dim = query.shape
@@ -375,10 +378,10 @@ def paged_decode_attention_reference(
     else:
         k, v, valid = gather_kv(k_cache, v_cache, block_tables, context_lens, max_len)
         q = query.float().reshape(batch, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
+        scores = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result = torch.matmul(probs, v.float().transpose(1, 2)).reshape(batch, num_q_heads, head_dim)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        result = torch.matmul(probs, v).float().reshape(batch, num_q_heads, head_dim)
         # Rows with context_len 0 (all -inf -> NaN softmax, garbage V) are defined as zeros.
         result = torch.where((context_lens > 0)[:, None, None], result, 0.0).to(query.dtype)
     if out is None:

@@ -227,8 +227,9 @@ def paged_prefill_attention_reference(
     """Torch version of :func:`paged_prefill_attention` (same contract); the engine's CPU path.
 
     Loops over sequences (one host sync for the lengths); within a sequence everything is
-    vectorised: gather its K/V, fp32 scores ``[num_kv_heads, group, q_len, context_len]`` with the
-    causal mask, softmax, cast to query's dtype.
+    vectorised: gather its K/V heads first, fp32 scores ``[num_kv_heads, group * q_len, context_len]``
+    with the causal mask and softmax, then ``P @ V`` with P in the cache dtype as the kernel does
+    (see :func:`kernels.paged_decode.paged_decode_attention_reference`), cast to query's dtype.
 
     Raises:
         ValueError: as :func:`paged_prefill_attention`, plus ``q_len_s > context_lens[s]``.
@@ -249,11 +250,12 @@ def paged_prefill_attention_reference(
             raise ValueError(f"sequence {s}: {q_len} new tokens but context_lens is {ctx}")
         k, v, _ = gather_kv(k_cache, v_cache, block_tables[s : s + 1], context_lens[s : s + 1], ctx)
         q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(q, k[0].float().permute(1, 2, 0)[:, None]) * scale  # [Hkv, G, q_len, ctx]
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        q = q.reshape(num_kv_heads, group * q_len, head_dim)
+        scores = torch.bmm(q, k[0].float().transpose(-1, -2)) * scale  # [Hkv, G * q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device).repeat(group)  # row g * q_len + i
         k_pos = torch.arange(ctx, device=query.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, v[0].float().transpose(0, 1)[:, None])  # [Hkv, G, q_len, D]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        o = torch.bmm(probs, v[0]).view(num_kv_heads, group, q_len, head_dim)
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(query.dtype)
     return out

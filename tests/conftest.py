@@ -3,7 +3,8 @@
 `triton_server` (session scope) renders the model repository with test settings into a temporary folder and
 starts one tritonserver on free ports for the whole session; `stages_server` serves only the preprocess and
 postprocess stages, so they are tested on a real server apart from the LLM. Tests using them are marked
-`server`.
+`server`. `front_door` (session) is the OpenAI front door on that server (tests/front_door.py);
+`make_front_door` starts extra ones with other settings; `openai_client`/`async_openai_client` talk to it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ def stages_server(tmp_path_factory) -> TritonServer:
     server.stop()
 
 
-
-
 @pytest.fixture(scope="session")
 def front_door(triton_server):
     """The OpenAI front door every test shares (no API key, default limits), on the session's server."""
@@ -69,3 +68,56 @@ def front_door(triton_server):
     door = FrontDoorThread(front_door_config(triton_server)).start()
     yield door
     door.stop()
+
+
+@pytest.fixture
+def make_front_door(triton_server):
+    """Start extra front doors with other settings (API key, limits) on the session's server; stopped after
+    the test."""
+    from front_door import FrontDoorThread, front_door_config
+
+    started = []
+
+    def make(**overrides):
+        door = FrontDoorThread(front_door_config(triton_server, **overrides)).start()
+        started.append(door)
+        return door
+
+    yield make
+    for door in started:
+        door.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(front_door):
+    """A synchronous openai client on the session front door (no retries, 120 s timeout)."""
+    import openai
+
+    return openai.OpenAI(base_url=front_door.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def async_openai_client(front_door):
+    """An asyncio openai client on the session front door (no retries, 120 s timeout)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=front_door.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+NORMAL_REQUEST = {"model": "omni_chat", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                  "max_tokens": 16, "temperature": 0}
+NORMAL_ANSWER = "The capital of France is Paris."
+"""What SmolLM2-135M-Instruct answers NORMAL_REQUEST, greedy in float32 (the test server's dtype)."""
+
+
+@pytest.fixture
+def followed_by_a_normal_request(front_door):
+    """After the test: a normal greedy chat request through the session front door gets 200 and exactly the
+    model's answer (a test that leaves the server broken fails even if its own checks passed)."""
+    yield
+    from frontdoor_http import post
+
+    status, _, body = post(front_door.url + "/v1/chat/completions", NORMAL_REQUEST, timeout=120)
+    assert status == 200, f"the normal request after this test failed: {status} {body}"
+    assert body["choices"][0]["message"]["content"] == NORMAL_ANSWER, body
+    assert body["choices"][0]["finish_reason"] == "stop", body

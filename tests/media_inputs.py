@@ -1,4 +1,5 @@
-"""Real test inputs: scikit-image's astronaut photo as PNG/JPEG/WebP data URIs, speech from the Piper voice."""
+"""Real test inputs (scikit-image's astronaut photo as PNG/JPEG/WebP data URIs, speech from the Piper voice) and
+the chat call and checks the media tests share (tests/multimodal, the c07/c08 cases in tests/reliability)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,44 @@ def audio_bytes(fmt: str = "WAV", samples: np.ndarray | None = None, rate: int |
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, rate, format=fmt)
     return buffer.getvalue()
+
+
+def chat(url: str, *parts: dict, text: str = "What is in this picture?", max_tokens: int = 8) -> tuple[int, dict]:
+    """A greedy chat request to the front door at `url` with `text` followed by media `parts`; returns
+    (HTTP status, parsed JSON body)."""
+    import requests
+
+    content = [{"type": "text", "text": text}, *parts]
+    body = {"model": "omni_chat", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0}
+    response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    return response.status_code, response.json()
+
+
+def chat_answer(body: dict) -> tuple[str, int]:
+    """(reply text, prompt tokens) of a chat completion body."""
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
+
+
+def assert_ok(status: int, body: dict) -> dict:
+    """The request succeeded with a non-empty reply; returns the body."""
+    assert status == 200, body
+    text, _ = chat_answer(body)
+    assert isinstance(text, str) and text, body
+    return body
+
+
+def assert_400(status: int, body: dict, param: str, fragment: str) -> None:
+    """A 400 naming `param`, whose message holds `fragment` and no internals (tracebacks, library names)."""
+    assert status == 400, body
+    assert body["error"]["param"] == param, body
+    assert fragment in body["error"]["message"], body
+    for internal in ("Traceback", "LibsndfileError", "soundfile", "PIL", "File \""):
+        assert internal not in body["error"]["message"], body
+
+
+def text_only_prompt_tokens(url: str) -> int:
+    """Prompt tokens of `chat`'s text alone, plus the newline that joins a part to it."""
+    status, body = chat(url, {"type": "text", "text": ""})
+    assert_ok(status, body)
+    return body["usage"]["prompt_tokens"]

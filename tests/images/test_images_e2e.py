@@ -1,5 +1,5 @@
 """Image generation through the real stack: same seed -> the same PNG bytes; concurrent compatible requests
-are batched by the diffusion stage (Triton statistics); case c10 followed by ordinary requests."""
+are batched by the diffusion stage (Triton statistics). Case c10 is in tests/reliability/test_cases.py."""
 
 import base64
 import io
@@ -69,32 +69,3 @@ def test_bad_values_are_400_naming_the_field(front_door):
         assert status == 400 and body["error"]["param"] == param, (extra, body)
     status, _, body = post_json(front_door.url + "/v1/images/generations", {"model": "does-not-exist", "prompt": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
-
-
-@pytest.mark.reliability
-def test_c10_huge_size_is_400_naming_size_and_the_server_stays_up(front_door, triton_server):
-    status, headers, body = post_json(front_door.url + "/v1/images/generations",
-                                      {"model": MODEL, "prompt": "a red bicycle", "size": "100000x10000"})
-    assert status == 400 and headers["content-type"].startswith("application/json")
-    error = body["error"]
-    assert error["param"] == "size" and "size" in error["message"]
-    assert "64x64, 128x128, 256x256" in error["message"]  # the allowed sizes
-    # the same check in the stage itself (a client talking to Triton directly)
-    import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException
-
-    inputs = []
-    for name, array, datatype in [("prompt", np.array([[b"a red bicycle"]], dtype=object), "BYTES"),
-                                  ("width", np.array([[100000]], np.int32), "INT32"),
-                                  ("height", np.array([[10000]], np.int32), "INT32")]:
-        tensor = httpclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    with httpclient.InferenceServerClient(triton_server.http_url) as client:
-        with pytest.raises(InferenceServerException, match="size 100000x10000 is not supported"):
-            client.infer("text2image", inputs)
-    status, _, body = post_json(front_door.url + "/v1/images/generations", dict(SMALL, prompt="a red bicycle"))
-    assert status == 200 and body["data"][0]["b64_json"]
-    status, _, body = post_json(front_door.url + "/v1/chat/completions",
-                                {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
-    assert status == 200 and body["choices"][0]["message"]["content"]

@@ -1,4 +1,5 @@
-"""Image and audio input through the OpenAI front door on a real tritonserver (issue 5 acceptance, c07, c08).
+"""Image and audio input through the OpenAI front door on a real tritonserver (issue 5 acceptance;
+cases c07 and c08 are in tests/reliability/test_cases.py).
 
 The default encoders are random: these tests check the serving path (decode, encode, batch, splice), not what
 the model says about the picture.
@@ -7,13 +8,13 @@ the model says about the picture.
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import time
 
 import numpy as np
 import pytest
 import requests
-from media_inputs import audio_bytes, audio_part, image_bytes, image_part, speech
+from media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, chat_answer, image_bytes,
+                          image_part, speech, text_only_prompt_tokens)
 
 from omni_backend.stages.audio import HOP_LENGTH, tokens_for_frames
 
@@ -22,39 +23,9 @@ pytestmark = pytest.mark.server
 IMAGE_TOKENS = 49
 
 
-def chat(url, *parts, text="What is in this picture?", max_tokens=8):
-    content = [{"type": "text", "text": text}, *parts]
-    body = {"model": "omni_chat", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0}
-    response = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
-    return response.status_code, response.json()
-
-
-def answer(body) -> tuple[str, int]:
-    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
-
-
-def assert_ok(status, body):
-    assert status == 200, body
-    text, _ = answer(body)
-    assert isinstance(text, str) and text, body
-    return body
-
-
-def assert_400(status, body, param, fragment):
-    assert status == 400, body
-    assert body["error"]["param"] == param, body
-    assert fragment in body["error"]["message"], body
-    for internal in ("Traceback", "LibsndfileError", "soundfile", "PIL", "File \""):
-        assert internal not in body["error"]["message"], body
-
-
 @pytest.fixture(scope="module")
 def text_only_tokens(mm_front_door):
-    """Prompt tokens of the text alone, plus the newline that joins a part to it."""
-    status, body = chat(mm_front_door, {"type": "text", "text": ""})
-    assert_ok(status, body)
-    return body["usage"]["prompt_tokens"]
+    return text_only_prompt_tokens(mm_front_door)
 
 
 @pytest.mark.parametrize("fmt,mime", [("PNG", "image/png"), ("JPEG", "image/jpeg")])
@@ -84,40 +55,15 @@ def test_concurrent_image_requests_equal_one_by_one_and_batch_in_the_encoder(mm_
 
     photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
     parts = [image_part(image_bytes("PNG", photo)) for photo in photos]
-    one_by_one = [answer(assert_ok(*chat(mm_front_door, part, max_tokens=12))) for part in parts]
+    one_by_one = [chat_answer(assert_ok(*chat(mm_front_door, part, max_tokens=12))) for part in parts]
     before = _stats(mm_server, "vision_encoder")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda part: answer(assert_ok(*chat(mm_front_door, part, max_tokens=12))),
+        together = list(pool.map(lambda part: chat_answer(assert_ok(*chat(mm_front_door, part, max_tokens=12))),
                                  parts))
     after = _stats(mm_server, "vision_encoder")
     assert together == one_by_one
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 4 and executions < inferences, (inferences, executions)
-
-
-def test_c07_huge_jpeg_is_resized_and_an_oversize_image_is_refused(mm_front_door, text_only_tokens):
-    big = np.zeros((8000, 8000, 3), dtype=np.uint8)
-    big[::40] = 200
-    status, body = chat(mm_front_door, image_part(image_bytes("JPEG", big, quality=40), "image/jpeg"))
-    assert_ok(status, body)
-    assert body["usage"]["prompt_tokens"] == text_only_tokens + IMAGE_TOKENS
-    noise = np.random.default_rng(0).integers(0, 256, (2100, 2100, 3), dtype=np.uint8)
-    oversize = image_bytes("PNG", noise)
-    assert len(oversize) > 10 * 1024 * 1024
-    status, body = chat(mm_front_door, image_part(oversize))
-    assert_400(status, body, "messages[0].content[1]", "limit of 10 MiB")
-    small = image_bytes("PNG", (np.arange(32 * 32 * 3) % 256).astype(np.uint8).reshape(32, 32, 3))
-    assert_ok(*chat(mm_front_door, image_part(small)))
-
-
-def test_c08_mp3_declared_as_wav_decodes_and_text_as_audio_is_unsupported(mm_front_door):
-    samples, rate = speech()
-    status, body = chat(mm_front_door, audio_part(audio_bytes("MP3", samples, rate), "wav"), text="What was said?")
-    assert_ok(status, body)
-    text_file = io.BytesIO(b"Just some text pretending to be audio.\n" * 30).getvalue()
-    status, body = chat(mm_front_door, audio_part(text_file, "wav"), text="What was said?")
-    assert_400(status, body, "messages[0].content[1]", "unsupported audio format")
-    assert_ok(*chat(mm_front_door, text="Say hi."))
 
 
 @pytest.mark.parametrize("parts,param,fragment", [
@@ -142,7 +88,7 @@ def test_omni_chat_mm_ensemble_equals_the_front_door_and_passes_text_through(mm_
     from chat_client import stream_infer
 
     part = image_part(image_bytes("JPEG"), "image/jpeg")
-    text, prompt_tokens = answer(assert_ok(*chat(mm_front_door, part, max_tokens=12)))
+    text, prompt_tokens = chat_answer(assert_ok(*chat(mm_front_door, part, max_tokens=12)))
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, part]}]
     values = {"text_input": json.dumps(messages), "max_tokens": 12, "temperature": 0.0}
     result = stream_infer(mm_server.grpc_url, values, model="omni_chat_mm")

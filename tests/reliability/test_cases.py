@@ -1,26 +1,63 @@
-"""Cases c01-c06, c11-c17 and c20 of shared/cases/README.md through the front door; each is followed by an
-ordinary request that must succeed (a case that leaves the server broken fails even if its answer looked right)."""
+"""Every case of ../shared/cases/README.md as a test against the real stack (the session's tritonserver with
+every model, and its front door); after each test here a normal greedy chat request must still give its exact
+answer (`followed_by_a_normal_request` in tests/conftest.py): a case that leaves the server broken fails even if its own answer
+looked right.
 
+case -> test
+  c01  test_c01_max_tokens_zero_with_echo_and_logprobs
+  c02  test_c02_max_tokens_zero_is_handled_per_request
+  c03  test_c03_negative_max_tokens
+  c04  test_c04_empty_prompt
+  c05  test_c05_empty_messages
+  c06  test_c06_text_parts_equal_the_joined_string
+  c07  test_c07_huge_jpeg_is_resized_and_an_oversize_image_is_refused
+  c08  test_c08_mp3_declared_as_wav_decodes_and_text_as_audio_is_unsupported
+  c09  test_c09_empty_speech_and_image_inputs
+  c10  test_c10_huge_size_is_400_naming_size_and_the_server_stays_up
+  c11  test_c11_unknown_model_is_the_same_404_everywhere, test_c11_unknown_model_on_models_endpoint
+  c12  test_c12_stop_string_never_streamed
+  c13  test_c13_multibyte_text_streams_whole_characters
+  c14  test_c14_include_usage_gives_exactly_one_usage_chunk
+  c15  test_c15_bad_bodies
+  c16  test_c16_out_of_range_settings_name_the_field, test_c16_top_p_one_and_edge_penalties_are_accepted
+  c17  test_c17_prompt_longer_than_the_context
+  c18  test_c18_disconnect_aborts_generation_and_frees_kv_blocks
+  c19  tests/reliability/test_stage_death.py (kills the llm stub of a server of its own, so not here)
+  c20  test_c20_http_infer_on_a_decoupled_model, test_c20_generate_returns_only_generated_text
+"""
+
+import asyncio
 import json
+import time
+import urllib.request
 
+import aiohttp
+import numpy as np
 import pytest
+import requests
+import tritonclient.grpc as grpcclient
 from front_door import MODEL
 from frontdoor_http import get, post, sse
+from media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, image_bytes, image_part, speech,
+                          text_only_prompt_tokens)
 
-pytestmark = [pytest.mark.server, pytest.mark.reliability]
+from omni_backend.ops.metrics import parse_metrics
+
+IMAGE_TOKENS = 49
+"""Placeholder tokens per image (the vision encoder's 7x7 pooled grid)."""
+
+# After every case a normal greedy chat request must give exactly the model's answer (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("followed_by_a_normal_request")
 
 
 @pytest.fixture
 def api(front_door):
-    """POST helper bound to the shared front door; after the test an ordinary chat request must succeed."""
+    """POST helper bound to the shared front door: (path, body, **post kwargs) -> (status, headers, JSON)."""
 
     def call(path, body, **kwargs):
         return post(front_door.url + path, body, **kwargs)
 
-    yield call
-    status, _, body = post(front_door.url + "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3})
-    assert status == 200 and body["choices"][0]["message"]["content"], body
+    return call
 
 
 def assert_error(status, body, expected_status, param=None, fragment=None):
@@ -91,6 +128,79 @@ def test_c06_text_parts_equal_the_joined_string(api):
         **common, "messages": [{"role": "user", "content": "What is the capital\nof France?"}]})
     assert as_parts["usage"]["prompt_tokens"] == as_string["usage"]["prompt_tokens"]
     assert as_parts["choices"][0]["message"] == as_string["choices"][0]["message"]
+
+
+def test_c07_huge_jpeg_is_resized_and_an_oversize_image_is_refused(front_door):
+    text_only_tokens = text_only_prompt_tokens(front_door.url)
+    big = np.zeros((8000, 8000, 3), dtype=np.uint8)
+    big[::40] = 200
+    status, body = chat(front_door.url, image_part(image_bytes("JPEG", big, quality=40), "image/jpeg"))
+    assert_ok(status, body)
+    assert body["usage"]["prompt_tokens"] == text_only_tokens + IMAGE_TOKENS
+    noise = np.random.default_rng(0).integers(0, 256, (2100, 2100, 3), dtype=np.uint8)
+    oversize = image_bytes("PNG", noise)
+    assert len(oversize) > 10 * 1024 * 1024
+    status, body = chat(front_door.url, image_part(oversize))
+    assert_400(status, body, "messages[0].content[1]", "limit of 10 MiB")
+    small = image_bytes("PNG", (np.arange(32 * 32 * 3) % 256).astype(np.uint8).reshape(32, 32, 3))
+    status, body = chat(front_door.url, image_part(small))
+    assert_ok(status, body)
+    assert body["usage"]["prompt_tokens"] == text_only_tokens + IMAGE_TOKENS
+
+
+def test_c08_mp3_declared_as_wav_decodes_and_text_as_audio_is_unsupported(front_door):
+    samples, rate = speech()
+    status, body = chat(front_door.url, audio_part(audio_bytes("MP3", samples, rate), "wav"), text="What was said?")
+    assert_ok(status, body)
+    text_file = b"Just some text pretending to be audio.\n" * 30
+    status, body = chat(front_door.url, audio_part(text_file, "wav"), text="What was said?")
+    assert_400(status, body, "messages[0].content[1]", "unsupported audio format")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/audio/speech", {"model": MODEL, "input": "", "voice": "x"}, "input"),
+    ("/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": ""}, "voice"),
+    ("/v1/images/generations", {"model": MODEL, "prompt": " "}, "prompt"),
+])
+def test_c09_empty_speech_and_image_inputs(api, front_door, path, body, param):
+    status, headers, answer = api(path, body)
+    assert status == 400 and headers["content-type"].startswith("application/json"), answer
+    error = assert_error(status, answer, 400, param)
+    assert param in error["message"] and error["type"] == "invalid_request_error"
+    # ordinary speech and image requests still work (the chat request follows every case)
+    response = requests.post(front_door.url + "/v1/audio/speech", timeout=180, json={
+        "model": MODEL, "input": "Hi there.", "voice": "alloy", "response_format": "wav"})
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/wav"
+    assert response.content[:4] == b"RIFF" and len(response.content) > 1000
+    status, _, answer = api("/v1/images/generations", {"model": MODEL, "prompt": "a cat", "size": "64x64",
+                                                       "steps": 2})
+    assert status == 200 and answer["data"][0]["b64_json"], answer
+
+
+def test_c10_huge_size_is_400_naming_size_and_the_server_stays_up(api, triton_server):
+    status, headers, body = api("/v1/images/generations",
+                                {"model": MODEL, "prompt": "a red bicycle", "size": "100000x10000"})
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    error = body["error"]
+    assert error["param"] == "size" and "size" in error["message"]
+    assert "64x64, 128x128, 256x256" in error["message"]  # the allowed sizes
+    # the same check in the stage itself (a client talking to Triton directly)
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    inputs = []
+    for name, array, datatype in [("prompt", np.array([[b"a red bicycle"]], dtype=object), "BYTES"),
+                                  ("width", np.array([[100000]], np.int32), "INT32"),
+                                  ("height", np.array([[10000]], np.int32), "INT32")]:
+        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    with httpclient.InferenceServerClient(triton_server.http_url) as client:
+        with pytest.raises(InferenceServerException, match="size 100000x10000 is not supported"):
+            client.infer("text2image", inputs)
+    status, _, body = api("/v1/images/generations", {"model": MODEL, "prompt": "a red bicycle", "size": "64x64",
+                                                     "steps": 3})
+    assert status == 200 and body["data"][0]["b64_json"]
 
 
 @pytest.mark.parametrize("part", [
@@ -236,6 +346,89 @@ def test_c17_prompt_longer_than_the_context(api, openai_client):
     assert "you requested" in error["message"] and error["code"] == "context_length_exceeded"
     status, _, body = api("/v1/completions", {"model": MODEL, "prompt": long_text, "max_tokens": 10})
     assert_error(status, body, 400, "prompt", f"maximum context length is {max_model_len} tokens")
+
+
+def _engine_slots(triton_server) -> int:
+    """max_num_seqs of the llm stage, read from its config in Triton."""
+    with grpcclient.InferenceServerClient(triton_server.grpc_url) as client:
+        config = client.get_model_config("llm", as_json=True)["config"]
+    return int(config["parameters"]["max_num_seqs"]["string_value"])
+
+
+def _llm_gauge(triton_server, name: str) -> float:
+    """The llm stage's gauge `name` on Triton's metrics page (published about once a second)."""
+    with urllib.request.urlopen(triton_server.metrics_url, timeout=5) as response:
+        samples = parse_metrics(response.read().decode())
+    found = [value for labels, value in samples.get(name, []) if labels.get("model") == "llm"]
+    assert len(found) == 1, (name, found)
+    return found[0]
+
+
+def _wait_for_gauges(triton_server, what: str, timeout_s: float, **wanted) -> None:
+    """Poll until every gauge in `wanted` (name -> predicate on its value) holds; AssertionError after
+    `timeout_s` seconds naming `what` and the last values."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = {name: _llm_gauge(triton_server, name) for name in wanted}
+        if all(check(values[name]) for name, check in wanted.items()):
+            return
+        assert time.monotonic() < deadline, f"{what}: {values} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_c18_disconnect_aborts_generation_and_frees_kv_blocks(front_door, triton_server, stream):
+    """Fill every engine slot with long generations, drop their connections: the KV blocks go back to the level
+    before (0 on the idle session server) and a new request starts at once. Without cancellation the engine
+    would go on with thousands of tokens (minutes on this CPU) holding every slot."""
+    slots = _engine_slots(triton_server)
+    idle = {"omni_kv_cache_blocks_used": lambda v: v == 0, "omni_requests_running": lambda v: v == 0}
+    _wait_for_gauges(triton_server, "the session server is not idle before the case", 15, **idle)
+    long = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1200, "ignore_eos": True,
+            "stream": stream}
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            if stream:
+                responses = await asyncio.gather(*[session.post(front_door.url + "/v1/completions", json=long)
+                                                   for _ in range(slots)])
+                for response in responses:
+                    assert response.status == 200
+                    await response.content.readline()  # generating now
+            else:
+                tasks = [asyncio.ensure_future(session.post(front_door.url + "/v1/completions", json=long))
+                         for _ in range(slots)]
+            # all admitted and decoding: every slot holds KV blocks
+            await asyncio.to_thread(_wait_for_gauges, triton_server, "the long requests never all ran", 30,
+                                    omni_requests_running=lambda v: v == slots,
+                                    omni_kv_cache_blocks_used=lambda v: v >= slots)
+            if stream:
+                for response in responses:
+                    response.close()
+            else:
+                assert not any(t.done() for t in tasks)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        dropped = time.monotonic()
+        await asyncio.to_thread(_wait_for_gauges, triton_server, "KV blocks not freed after the disconnects", 10,
+                                **idle)
+        freed_s = time.monotonic() - dropped
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(front_door.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True}) as response:
+                await asyncio.wait_for(response.content.readline(), timeout=10)
+                first = time.monotonic() - started
+                await response.read()
+        return freed_s, first
+
+    try:
+        freed_s, first_chunk_s = asyncio.run(run())
+    except TimeoutError:
+        pytest.fail("the next request got no first token within 10 s: the dropped requests still hold the engine")
+    assert first_chunk_s < 5.0, f"the next request waited {first_chunk_s:.1f} s for the engine"
+    print(f"KV blocks back to 0 within {freed_s:.1f} s; next first chunk after {first_chunk_s:.2f} s")
 
 
 @pytest.mark.parametrize("model", ["omni_chat", "llm"])

@@ -101,8 +101,8 @@ async def read_json(request: Request, limit: int) -> dict:
     """The request body as a JSON object.
 
     Raises:
-        OpenAIError: 415 unless the content type is JSON, 413 over `limit` bytes, 400 for bad JSON or a body
-            that is not an object.
+        OpenAIError: 415 unless the content type is JSON, 413 over `limit` bytes, 400 for bad JSON (also nested
+            too deeply, or with an integer of more than 4300 digits) or a body that is not an object.
     """
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if not _JSON_TYPE.match(media_type):
@@ -122,8 +122,12 @@ async def read_json(request: Request, limit: int) -> dict:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"We could not parse the JSON body of your request: {exc}", None, "invalid_json") from None
+    except RecursionError:  # e.g. 100,000 '[': the decoder recurses once per level
+        raise invalid("We could not parse the JSON body of your request: it is nested too deeply", None,
+                      "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        reason = str(exc).split(";")[0]  # the digit limit's advice (sys.set_int_max_str_digits) is not for clients
+        raise invalid(f"We could not parse the JSON body of your request: {reason}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__ if body is not None else 'null'}",
                       None, "invalid_body")

@@ -28,8 +28,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from omni_backend.serving.errors import (OpenAIError, grpc_status_error, internal, invalid, stream_error,
-                                         unavailable)
+from omni_backend.serving.errors import (TENSOR_FIELDS, OpenAIError, grpc_status_error, internal, invalid,
+                                         stream_error, unavailable)
 
 
 @dataclass
@@ -102,6 +102,38 @@ def _scalar(array: np.ndarray | None, default=None):
         return default
     value = np.asarray(array).reshape(-1)[0]
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
+
+
+def _client_field(tensor: str, prompt_field: str) -> str:
+    """The request field a Triton input came from (`random_seed` -> `seed`, `text_input` -> the prompt field)."""
+    field = TENSOR_FIELDS.get(tensor, tensor)
+    return prompt_field if field == "prompt" else field
+
+
+def _numeric_array(items: list, datatype: str, field: str) -> np.ndarray:
+    """`items` as a numpy array of a Triton numeric `datatype` ("INT32", "UINT64", "FP32", "BOOL", ...).
+
+    numpy would raise OverflowError for an integer beyond int64 and silently wrap one beyond a smaller type
+    (max_tokens 2**32 + 5 would become 5), and turn a float beyond float32's range into infinity.
+
+    Raises:
+        OpenAIError: 400 naming `field` when a value does not fit the tensor's type.
+    """
+    dtype = np.dtype(grpcclient.triton_to_np_dtype(datatype))
+    if dtype.kind in "iu":
+        limits = np.iinfo(dtype)
+        for value in items:
+            if not limits.min <= value <= limits.max:
+                raise invalid(f"{field} is out of range: {value} is not between {limits.min} and {limits.max}",
+                              field)
+    elif dtype.kind == "f":
+        with np.errstate(over="ignore"):
+            array = np.array(items, dtype=dtype)
+        if not np.isfinite(array).all():
+            raise invalid(f"{field} must be a finite number within the range of {dtype.name} (got {items[0]!r})",
+                          field)
+        return array
+    return np.array(items, dtype=dtype)
 
 
 class TritonPipeline:
@@ -198,10 +230,10 @@ class TritonPipeline:
                 try:
                     array = np.array([str(v).encode("utf-8") for v in items], dtype=np.object_)
                 except UnicodeEncodeError:  # JSON allows unpaired surrogates ("\ud800"); UTF-8 does not
-                    field = {"text_input": prompt_field, "stop_words": "stop"}.get(name, name)
+                    field = _client_field(name, prompt_field)
                     raise invalid(f"{field} is not valid Unicode (it holds an unpaired surrogate)", field) from None
             else:
-                array = np.array(items, dtype=grpcclient.triton_to_np_dtype(datatype))
+                array = _numeric_array(items, datatype, _client_field(name, prompt_field))
             tensor = grpcclient.InferInput(stage_name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)

@@ -56,7 +56,8 @@ def pcm_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
 
 
 def encode(samples: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
-    """A whole clip (int16 mono) as a file in `audio_format` ("wav", "flac", "mp3") or raw "pcm".
+    """A whole clip (int16 mono) as a file in `audio_format` ("wav", "flac", "mp3") or raw "pcm". An empty clip
+    is a valid file too (flac and mp3 hold one sample of silence: libsndfile writes nothing for zero samples).
 
     Raises:
         ValueError: a format this installation cannot write (the message lists the ones it can).
@@ -76,6 +77,8 @@ def encode(samples: np.ndarray, sample_rate: int, audio_format: str) -> bytes:
         return buffer.getvalue()
     import soundfile
 
+    if samples.size == 0:  # nothing to speak (e.g. input of symbols only): libsndfile would write 0 bytes
+        samples = np.zeros(1, dtype=np.int16)  # one sample of silence makes a valid, decodable file
     if audio_format == "flac":
         soundfile.write(buffer, samples, sample_rate, format="FLAC", subtype="PCM_16")
     else:

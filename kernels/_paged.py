@@ -9,6 +9,7 @@ entries past a sequence's length may be garbage and are never used to address th
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -60,12 +61,48 @@ def check_launchable(*tensors: torch.Tensor) -> None:
             )
 
 
+class KVGather(NamedTuple):
+    """Where the first ``lengths[b]`` tokens of each sequence live in the paged cache (see :func:`kv_gather`).
+
+    Attributes:
+        slots: int64 ``[B, L]`` cache slot of each position; padding positions repeat the row's first slot.
+        valid: bool ``[B, L]``, True for the ``lengths[b]`` real positions of row b.
+    """
+
+    slots: torch.Tensor
+    valid: torch.Tensor
+
+
+def kv_gather(block_tables: torch.Tensor, lengths: torch.Tensor, max_len: int, block_size: int) -> KVGather:
+    """The cache slots a batch reads: the same for every layer, so a caller may compute it once per step.
+
+    Args:
+        block_tables: int32 ``[B, max_blocks_per_seq]``; entries past ``lengths[b]`` are never used.
+        lengths: integer ``[B]``, tokens to read per row (on the block tables' device).
+        max_len: Python int >= max(lengths): the padded length ``L``.
+        block_size: tokens per cache block.
+
+    Padding positions repeat the row's first token, so they hold finite data and a zero softmax weight keeps
+    them out of the result; rows with ``lengths[b] == 0`` read slot 0 (possibly garbage): callers must zero
+    those rows.
+    """
+    device = block_tables.device
+    lengths = lengths.to(device=device, dtype=torch.long)
+    pos = torch.arange(max_len, device=device)
+    valid = pos[None, :] < lengths[:, None]  # [B, L]
+    block_idx = torch.where(valid, pos[None, :] // block_size, 0)
+    slots = torch.gather(block_tables.long(), 1, block_idx) * block_size + pos[None, :] % block_size
+    first = torch.where(lengths > 0, block_tables[:, 0].long() * block_size, 0)
+    return KVGather(torch.where(valid, slots, first[:, None]), valid)
+
+
 def gather_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     lengths: torch.Tensor,
     max_len: int,
+    gather: KVGather | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Materialise the first ``lengths[b]`` tokens of each sequence from the paged cache, heads first.
 
@@ -74,25 +111,16 @@ def gather_kv(
         block_tables: int32 ``[B, max_blocks_per_seq]``.
         lengths: integer ``[B]``, tokens to read per row (on the cache's device).
         max_len: Python int >= max(lengths): the padded length ``L`` of the result.
+        gather: :func:`kv_gather` of these block tables and lengths, if the caller already has it.
 
     Returns:
         ``(k, v, valid)``: k, v contiguous ``[B, num_kv_heads, L, head_dim]`` in the cache dtype (the layout
-        batched matmuls take without a copy: ``k.transpose(-1, -2)`` is a view) and bool ``valid [B, L]``.
-        Padding positions (``valid`` False) repeat the row's first token, so they hold finite data and a
-        zero softmax weight keeps them out of the result; rows with ``lengths[b] == 0`` read slot 0
-        (possibly garbage): callers must zero those rows. Block-table entries past ``lengths[b]`` are never
-        used as indices.
+        batched matmuls take without a copy: ``k.transpose(-1, -2)`` is a view) and bool ``valid [B, L]``;
+        padding as in :func:`kv_gather`.
     """
-    block_size = k_cache.shape[1]
-    device = k_cache.device
-    lengths = lengths.to(device=device, dtype=torch.long)
-    pos = torch.arange(max_len, device=device)
-    valid = pos[None, :] < lengths[:, None]  # [B, L]
-    block_idx = torch.where(valid, pos[None, :] // block_size, 0)
-    slots = torch.gather(block_tables.long(), 1, block_idx) * block_size + pos[None, :] % block_size
-    first = torch.where(lengths > 0, block_tables[:, 0].long() * block_size, 0)
-    slots = torch.where(valid, slots, first[:, None])
-    return _take(k_cache, slots), _take(v_cache, slots), valid
+    if gather is None:
+        gather = kv_gather(block_tables, lengths, max_len, k_cache.shape[1])
+    return _take(k_cache, gather.slots), _take(v_cache, gather.slots), gather.valid
 
 
 def _take(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

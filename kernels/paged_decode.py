@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import check_int_tensor, check_kv_cache, check_launchable, gather_kv
+from kernels._paged import KVGather, check_int_tensor, check_kv_cache, check_launchable, gather_kv
 
 LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 1024  # enough CTAs to fill a large GPU (H200: 132 SMs) several times over
@@ -358,8 +358,12 @@ def paged_decode_attention_reference(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    gather: KVGather | None = None,
 ) -> torch.Tensor:
     """Torch version of :func:`paged_decode_attention` (same contract); the engine's CPU path.
+
+    ``gather``: :func:`kernels._paged.kv_gather` of ``(block_tables, context_lens, max(context_lens))``,
+    which is the same for every layer of a step: the torch attention backend computes it once per step.
 
     Vectorised over the batch: gathers K/V up to ``max(context_lens)`` (one device sync) heads first,
     so both matmuls read them without a copy. Precision follows the kernel: scores and softmax in fp32,
@@ -372,11 +376,11 @@ def paged_decode_attention_reference(
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    max_len = int(context_lens.max().item()) if batch > 0 else 0
+    max_len = gather.valid.shape[1] if gather is not None else int(context_lens.max().item()) if batch > 0 else 0
     if max_len == 0:
         result = torch.zeros_like(query)
     else:
-        k, v, valid = gather_kv(k_cache, v_cache, block_tables, context_lens, max_len)
+        k, v, valid = gather_kv(k_cache, v_cache, block_tables, context_lens, max_len, gather)
         q = query.float().reshape(batch, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

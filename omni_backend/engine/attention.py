@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import paged_decode, paged_prefill, store_kv
+from kernels._paged import KVGather, kv_gather
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class AttentionMetadata:
         prefill_block_tables: int32 [S, max_blocks_per_seq].
         decode_context_lens: int32 [D], KV length of each decode sequence including its new token.
         decode_block_tables: int32 [D, max_blocks_per_seq].
+        decode_gather: the torch backend's cache slots of the decode rows, built by its first layer of the
+            step and reused by the others (None until then, and always with the triton backend).
     """
 
     slot_mapping: torch.Tensor
@@ -38,6 +41,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
     decode_block_tables: torch.Tensor | None
+    decode_gather: KVGather | None = None
 
 
 class PagedAttention:
@@ -74,11 +78,21 @@ class PagedAttention:
             return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
                                  meta.prefill_context_lens, self.scale)
         if num_prefill == 0:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                self.scale, num_splits=self.num_splits)
+            return self._decode_rows(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         out[:num_prefill] = self._prefill(q[:num_prefill], k_cache, v_cache, meta.prefill_block_tables,
                                           meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale)
-        out[num_prefill:] = self._decode(q[num_prefill:], k_cache, v_cache, meta.decode_block_tables,
-                                         meta.decode_context_lens, self.scale, num_splits=self.num_splits)
+        out[num_prefill:] = self._decode_rows(q[num_prefill:], k_cache, v_cache, meta)
         return out
+
+    def _decode_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                self.scale, num_splits=self.num_splits)
+        if meta.decode_gather is None:  # same slots for every layer: build once per step (one host sync)
+            max_len = int(meta.decode_context_lens.max().item())
+            meta.decode_gather = kv_gather(meta.decode_block_tables, meta.decode_context_lens, max_len,
+                                           k_cache.shape[1])
+        return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                            gather=meta.decode_gather)

@@ -56,10 +56,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         tokens = x.shape[0]
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin).to(x.dtype)
-        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin).to(x.dtype)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(h)
+        qk_size = self.q_size + self.kv_size
+        # q and k heads rotate together: one RoPE over [T, Hq + Hkv, D]
+        qk = apply_rope(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         attn = self.attention(q, k, v, k_cache, v_cache, meta)
         x = x + self.o_proj(attn.reshape(tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -90,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        cos = self.cos_cache[positions]
-        sin = self.sin_cache[positions]
+        # RoPE runs in the activation dtype, as HF's LlamaRotaryEmbedding hands it cos/sin in x's dtype
+        cos = self.cos_cache[positions].to(x.dtype)
+        sin = self.sin_cache[positions].to(x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)

@@ -56,6 +56,18 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def followed_by(self, later: "RequestOutput") -> "RequestOutput":
+        """This delta and the same request's next one as a single delta (text and tokens joined, the later
+        finish reason and cumulative counts). Raises ValueError for another request's output."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot join outputs of {self.request_id} and {later.request_id}")
+        return RequestOutput(
+            self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
+            later.prompt_tokens, later.completion_tokens, self.logprobs + later.logprobs,
+            self.first_scheduled_time if self.first_scheduled_time is not None else later.first_scheduled_time,
+            self.first_token_time if self.first_token_time is not None else later.first_token_time,
+        )
+
 
 class _RequestState:
     """Engine-side bookkeeping next to a Sequence: detokenizer and not-yet-emitted tokens."""

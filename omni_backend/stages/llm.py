@@ -243,17 +243,40 @@ class LLMService:
         next_poll = time.monotonic()
         while not self._stopping.is_set():
             try:
-                request_id, item = self._outbox.get(timeout=CANCEL_POLL_INTERVAL_S)
-            except queue.Empty:
-                item = None
-            try:
-                if item is not None:
+                for request_id, item in self._take_outbox():
                     self._deliver(request_id, item)
                 if time.monotonic() >= next_poll:
                     self._poll_cancellations()
                     next_poll = time.monotonic() + CANCEL_POLL_INTERVAL_S
             except Exception:  # keep serving the other requests
                 logger.exception("response thread iteration failed")
+
+    def _take_outbox(self) -> list[tuple[str, RequestOutput | str]]:
+        """Everything in the outbox (waiting up to the cancellation poll interval for the first item), with
+        each request's consecutive unfinished outputs joined into one delta. A response costs an IPC round
+        trip whatever its size, so when sending falls behind the engine (many streams, busy CPU) clients
+        get the same text in fewer, larger chunks instead of a growing backlog."""
+        try:
+            items = [self._outbox.get(timeout=CANCEL_POLL_INTERVAL_S)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        joined: list[tuple[str, RequestOutput | str]] = []
+        open_output: dict[str, int] = {}  # request id -> index in `joined` of its unfinished output
+        for request_id, item in items:
+            index = open_output.pop(request_id, None)
+            if index is not None and isinstance(item, RequestOutput):
+                joined[index] = (request_id, joined[index][1].followed_by(item))
+            else:
+                index = len(joined)
+                joined.append((request_id, item))
+            if isinstance(joined[index][1], RequestOutput) and not joined[index][1].finished:
+                open_output[request_id] = index
+        return joined
 
     def _deliver(self, request_id: str, item: RequestOutput | str) -> None:
         submitted = None

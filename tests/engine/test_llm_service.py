@@ -40,6 +40,32 @@ def test_concurrent_streams_equal_offline_results(service, tiny_qwen2_path):
         assert sum(o.finished for o in sink.outputs) == 1
 
 
+def test_a_slow_sender_gets_the_same_stream_in_fewer_larger_chunks(service, tiny_qwen2_path):
+    """While one response is being sent, the engine's next outputs of that request are joined into one."""
+
+    class SlowSink(ListSink):
+        def send(self, output):
+            time.sleep(0.05)  # an IPC round trip under load
+            super().send(output)
+
+    prompts = [[100 + i, 200 + i, 300 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stream=True, logprobs=1)
+    offline = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                     max_model_len=512)).generate(prompts, params)
+    sinks = [SlowSink() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        service.submit(f"slow{i}", prompt, params, sink)
+    for sink, expected in zip(sinks, offline):
+        assert sink.done.wait(30)
+        assert [t for o in sink.outputs for t in o.token_ids] == expected.token_ids
+        assert "".join(o.text for o in sink.outputs) == expected.text
+        assert [lp.token_id for o in sink.outputs for lp in o.logprobs] == expected.token_ids
+        assert [o.completion_tokens for o in sink.outputs] == [
+            sum(len(o.token_ids) for o in sink.outputs[:i + 1]) for i in range(len(sink.outputs))]
+        assert sum(o.finished for o in sink.outputs) == 1 and sink.outputs[-1].finish_reason == "length"
+    assert sum(len(sink.outputs) for sink in sinks) < 4 * 24  # some deltas carried several tokens
+
+
 def test_cancellation_frees_blocks_and_ends_the_stream(service):
     sink = ListSink()
     service.submit("long", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True, stream=True), sink)

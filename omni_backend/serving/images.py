@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.errors import invalid
+from omni_backend.serving.pipeline import infer_to_completion
 from omni_backend.stages.diffusion import ImageLimits, format_size, parse_size
 
 ENSEMBLE = "text2image"
@@ -80,7 +81,7 @@ class ImageBackend:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         try:
-            result = await self.client.infer(ENSEMBLE, inputs)
+            result = await infer_to_completion(self.client, ENSEMBLE, inputs)  # never cancelled: see there
         except InferenceServerException as exc:
             raise _image_error(exc.status(), exc.message()) from None
         return bytes(result.as_numpy("png").reshape(-1)[0]), int(result.as_numpy("used_seed").reshape(-1)[0])

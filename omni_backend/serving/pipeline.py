@@ -88,6 +88,36 @@ class Step:
     logprobs: list[dict] | None
 
 
+_UNARY_CALLS: set[asyncio.Task] = set()  # unary calls running on after their caller was cancelled
+
+
+async def infer_to_completion(client: aio.InferenceServerClient, model_name: str, inputs: list, **kwargs):
+    """`client.infer(model_name, inputs, **kwargs)`, but a cancelled caller never cancels the call on the wire.
+
+    Why: Triton 2.51's unary gRPC handler (ModelInferHandler) can free a call's state while a cancellation of that
+    call is still being processed; the whole server then dies with signal 11 in `ModelInferHandler::Process`
+    (reproduced here: a storm of HTTP clients leaving right after sending made the front door cancel preprocess
+    and postprocess calls; Triton issues #7368 and #8034, fixed upstream by server PRs #7840 (24.12) and #8078
+    (25.04)). Unary calls are short (tokenizing, one postprocess step, one encoder pass), so when the caller is
+    cancelled the call runs to its end in the background and its result is dropped. The llm stream is still
+    cancelled (Triton's stream handler survives that, and it is what frees KV blocks).
+
+    Raises:
+        what `client.infer` raises (InferenceServerException, grpc errors); asyncio.CancelledError when the
+        caller is cancelled (the call itself goes on).
+    """
+    call = asyncio.ensure_future(client.infer(model_name, inputs, **kwargs))
+    _UNARY_CALLS.add(call)
+    call.add_done_callback(_unary_call_done)
+    return await asyncio.shield(call)
+
+
+def _unary_call_done(call: asyncio.Task) -> None:
+    _UNARY_CALLS.discard(call)
+    if not call.cancelled():
+        call.exception()  # mark it retrieved: a dropped call's error is not logged as "never retrieved"
+
+
 # Content-part kind -> (encoder model, its input), as preprocess's media outputs name them.
 MEDIA_ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
@@ -238,7 +268,7 @@ class TritonPipeline:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         try:
-            result = await self.client.infer(info.preprocess.model, inputs, request_id=request_id)
+            result = await infer_to_completion(self.client, info.preprocess.model, inputs, request_id=request_id)
         except InferenceServerException as exc:
             raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
         tensors = {name: result.as_numpy(name) for name in info.preprocess.outputs}
@@ -274,7 +304,7 @@ class TritonPipeline:
             seen[kind] += 1
             tensor = grpcclient.InferInput(input_name, list(item.shape), "FP32")
             tensor.set_data_from_numpy(np.ascontiguousarray(item, dtype=np.float32))
-            calls.append(self.client.infer(model, [tensor], request_id=request_id))
+            calls.append(infer_to_completion(self.client, model, [tensor], request_id=request_id))
         try:
             results = await asyncio.gather(*calls)
         except InferenceServerException as exc:
@@ -360,7 +390,7 @@ class TritonPipeline:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         try:
-            result = await self.client.infer(step.model, inputs, request_id=request_id)
+            result = await infer_to_completion(self.client, step.model, inputs, request_id=request_id)
         except InferenceServerException as exc:
             raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
         return {tensor: result.as_numpy(name) for name, tensor in step.outputs.items()}
@@ -381,4 +411,4 @@ class TritonPipeline:
         )
 
 
-__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonPipeline"]
+__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonPipeline", "infer_to_completion"]

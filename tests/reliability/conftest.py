@@ -16,8 +16,6 @@ from chat_client import free_ports
 from omni_backend import repository
 from omni_backend.triton_server import TritonServer
 
-from conftest import TEST_SETTINGS
-
 CHAT_MODELS = ["preprocess", "llm", "postprocess", "omni_chat"]
 _HERE = Path(__file__).parent
 
@@ -29,8 +27,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.server)
 
 
+def _test_settings(config) -> dict:
+    """TEST_SETTINGS of tests/conftest.py. Not `from conftest import ...`: every conftest.py outside a package is
+    module `conftest`, and pytest drops the previous one from sys.modules before importing the next, so that
+    import would find this file."""
+    return config.pluginmanager.get_plugin(str(_HERE.parent / "conftest.py")).TEST_SETTINGS
+
+
 @pytest.fixture
-def make_chat_server(tmp_path_factory):
+def make_chat_server(tmp_path_factory, request):
     """Start a dedicated text-chat tritonserver; keyword arguments override TEST_SETTINGS (e.g.
     `max_num_seqs=2`), `exit_timeout_s` sets `--exit-timeout-secs`. Servers still running after the test are
     stopped."""
@@ -40,7 +45,7 @@ def make_chat_server(tmp_path_factory):
         root = tmp_path_factory.mktemp("triton-reliability")
         model_repository = root / "model_repository"
         repository.render_repository(model_repository, models=models or CHAT_MODELS,
-                                     **{**TEST_SETTINGS, **overrides})
+                                     **{**_test_settings(request.config), **overrides})
         http, grpc, metrics = free_ports(3)
         server = TritonServer(model_repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
                               exit_timeout_s=exit_timeout_s, log_file=root / "tritonserver.log",

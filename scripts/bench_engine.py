@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import queue
-import threading
 import time
 from pathlib import Path
 
@@ -90,38 +89,61 @@ def _free_ports(n):
     return ports
 
 
-def _stream_one(client_module, url, prompt, params_json, timings: dict) -> int:
-    """Send one request to `llm` over a gRPC stream; returns generated tokens, records TTFT and end (s)."""
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    client = client_module.InferenceServerClient(url)
-    first = []
-    start = time.perf_counter()
-
-    def callback(result, error):
-        if error is not None:
-            done.put(("error", str(error)))
-            return
-        now = time.perf_counter()
-        if not first:
-            first.append(now)
-        if result.as_numpy("finish_reason").reshape(-1)[0]:
-            done.put(("ok", int(result.as_numpy("completion_tokens").reshape(-1)[0])))
-
+def _llm_inputs(client_module, prompt, params_json):
     ids = client_module.InferInput("input_ids", [len(prompt)], "INT32")
     ids.set_data_from_numpy(np.array(prompt, dtype=np.int32))
     sp = client_module.InferInput("sampling_params", [1], "BYTES")
     sp.set_data_from_numpy(np.array([params_json.encode()], dtype=np.object_))
+    return [ids, sp]
+
+
+def _stream_all(client_module, url, prompts, params_json, concurrency) -> dict:
+    """Run `prompts` through `llm` on one gRPC stream, at most `concurrency` in flight (a new one starts when
+    one finishes), as perf_analyzer does with few client threads rather than a thread per request.
+
+    Returns generated tokens, errors, and TTFT / end-to-end latency per request (s).
+    """
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+
+    def callback(result, error):
+        now = time.perf_counter()
+        if error is not None:
+            events.put(("error", None, str(error), now))
+            return
+        request_id = result.get_response().id
+        first.setdefault(request_id, now)
+        if result.as_numpy("finish_reason").reshape(-1)[0]:
+            events.put(("done", request_id, int(result.as_numpy("completion_tokens").reshape(-1)[0]), now))
+
+    client = client_module.InferenceServerClient(url)
     client.start_stream(callback=callback)
-    client.async_stream_infer("llm", [ids, sp])
-    kind, value = done.get(timeout=900)
-    end = time.perf_counter()
+    pending = list(enumerate(prompts))[::-1]
+    result = {"generated": 0, "completed": 0, "errors": [], "ttft_s": [], "e2e_s": []}
+
+    def send_next():
+        index, prompt = pending.pop()
+        request_id = str(index)
+        started[request_id] = time.perf_counter()
+        client.async_stream_infer("llm", _llm_inputs(client_module, prompt, params_json), request_id=request_id)
+
+    for _ in range(min(concurrency, len(pending))):
+        send_next()
+    for _ in range(len(prompts)):
+        kind, request_id, value, now = events.get(timeout=900)
+        if kind == "error":
+            result["errors"].append(value)
+        else:
+            result["completed"] += 1
+            result["generated"] += value
+            result["ttft_s"].append(first[request_id] - started[request_id])
+            result["e2e_s"].append(now - started[request_id])
+        if pending:
+            send_next()
     client.stop_stream()
     client.close()
-    if kind == "error":
-        raise RuntimeError(value)
-    timings.setdefault("ttft_s", []).append(first[0] - start)
-    timings.setdefault("e2e_s", []).append(end - start)
-    return value
+    return result
 
 
 def bench_triton(prompts, new_tokens, concurrency, dtype_name) -> dict:
@@ -135,38 +157,15 @@ def bench_triton(prompts, new_tokens, concurrency, dtype_name) -> dict:
     with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout_s=5,
                       log_file=root / "tritonserver.log") as server:
         url = f"127.0.0.1:{grpc}"
-        _stream_one(grpcclient, url, prompts[0][:8], SamplingParams(max_tokens=4).to_json(), {})  # warm-up
-        work: queue.SimpleQueue = queue.SimpleQueue()
-        for p in prompts:
-            work.put(p)
-        timings: dict = {}
-        totals = []
-        errors = []
-
-        def worker():
-            while True:
-                try:
-                    prompt = work.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    totals.append(_stream_one(grpcclient, url, prompt, params_json, timings))
-                except Exception as exc:  # recorded and reported, never hidden
-                    errors.append(str(exc))
-
+        _stream_all(grpcclient, url, [prompts[0][:8]], SamplingParams(max_tokens=4).to_json(), 1)  # warm-up
         start = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run = _stream_all(grpcclient, url, prompts, params_json, concurrency)
         seconds = time.perf_counter() - start
-    generated = sum(totals)
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
-    return {"requests": len(prompts), "completed": len(totals), "errors": errors, "generated_tokens": generated,
-            "seconds": seconds, "output_tok_s": generated / seconds, "concurrency": concurrency,
-            "ttft_p50_s": pct(timings.get("ttft_s", []), 50), "ttft_p95_s": pct(timings.get("ttft_s", []), 95),
-            "e2e_p50_s": pct(timings.get("e2e_s", []), 50)}
+    return {"requests": len(prompts), "completed": run["completed"], "errors": run["errors"],
+            "generated_tokens": run["generated"], "seconds": seconds, "output_tok_s": run["generated"] / seconds,
+            "concurrency": concurrency, "ttft_p50_s": pct(run["ttft_s"], 50), "ttft_p95_s": pct(run["ttft_s"], 95),
+            "e2e_p50_s": pct(run["e2e_s"], 50)}
 
 
 def plot(results: dict, path: Path) -> None:

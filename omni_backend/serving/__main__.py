@@ -28,12 +28,15 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
     parser.add_argument("--api-key", default=defaults.api_key)
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests)
+    parser.add_argument("--graceful-shutdown-s", type=int, default=defaults.graceful_shutdown_s,
+                        help="seconds requests in flight may run on after SIGTERM/SIGINT (0: cut at once)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     config = ServingConfig(
         triton_grpc=args.triton_grpc, triton_http=args.triton_http, triton_metrics_url=args.triton_metrics,
         models=tuple(args.models or defaults.models), api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        max_concurrent_requests=args.max_concurrent_requests, host=args.host, port=args.port,
+        max_concurrent_requests=args.max_concurrent_requests, graceful_shutdown_s=args.graceful_shutdown_s,
+        host=args.host, port=args.port,
     )
     config.log_level = args.log_level
     return config
@@ -41,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=getattr(config, "log_level", "info"), timeout_graceful_shutdown=5)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=getattr(config, "log_level", "info"),
+                timeout_graceful_shutdown=config.graceful_shutdown_s)
     return 0
 
 

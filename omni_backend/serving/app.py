@@ -437,7 +437,8 @@ def create_app(config: ServingConfig) -> FastAPI:
                     await admission.__aexit__(None, None, None)
 
                 events = stream_events(kind, req, generation, request_id)
-                return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n")
+                return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n",
+                                                    shutdown_grace_s=config.graceful_shutdown_s)
             results = await until_disconnect(request, collect(generation))
         except ClientGone:
             await admission.__aexit__(None, None, None)

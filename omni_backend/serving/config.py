@@ -10,6 +10,10 @@
 | API key | `--api-key` | `OMNI_API_KEY` | none (no key needed) |
 | body limit | `--max-body-bytes` | `OMNI_OPENAI_MAX_BODY_BYTES` | 33554432 (32 MiB) |
 | requests in flight | `--max-concurrent-requests` | `OMNI_OPENAI_MAX_CONCURRENT_REQUESTS` | 256 (0: no limit) |
+| shutdown grace | `--graceful-shutdown-s` | `OMNI_OPENAI_GRACEFUL_SHUTDOWN_S` | 30 s |
+
+On SIGTERM/SIGINT the front door stops accepting connections at once and lets requests in flight (streams
+included) finish for up to the shutdown grace; whatever still runs then is cut.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ServingConfig:
         api_key: when set, `/v1/*` and `/v2/*` (except `/v2/health/*`) need `Authorization: Bearer <key>`.
         max_body_bytes: larger request bodies get 413.
         max_concurrent_requests: generation requests served at once; more get 429 (0: no limit).
+        graceful_shutdown_s: seconds requests in flight may run on after SIGTERM/SIGINT (0: cut at once).
         host, port: where the front door listens.
     """
 
@@ -50,6 +55,7 @@ class ServingConfig:
     api_key: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrent_requests: int = 256
+    graceful_shutdown_s: int = 30
     host: str = "0.0.0.0"
     port: int = 9000
 
@@ -60,6 +66,8 @@ class ServingConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0, got {self.max_concurrent_requests}")
+        if self.graceful_shutdown_s < 0:
+            raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         self.models = tuple(self.models)
 
     @classmethod
@@ -79,6 +87,7 @@ class ServingConfig:
             max_body_bytes=_env_int(env, "OMNI_OPENAI_MAX_BODY_BYTES", cls.max_body_bytes),
             max_concurrent_requests=_env_int(env, "OMNI_OPENAI_MAX_CONCURRENT_REQUESTS",
                                              cls.max_concurrent_requests),
+            graceful_shutdown_s=_env_int(env, "OMNI_OPENAI_GRACEFUL_SHUTDOWN_S", cls.graceful_shutdown_s),
             host=env.get("OMNI_OPENAI_HOST") or cls.host,
             port=_env_int(env, "OMNI_OPENAI_PORT", cls.port),
         )

@@ -24,7 +24,8 @@ class FrontDoorProcess:
         command = [sys.executable, "-m", "omni_backend.serving", "--host", c.host, "--port", str(c.port),
                    "--triton-grpc", c.triton_grpc, "--triton-http", c.triton_http,
                    "--triton-metrics", c.triton_metrics_url, "--max-body-bytes", str(c.max_body_bytes),
-                   "--max-concurrent-requests", str(c.max_concurrent_requests)]
+                   "--max-concurrent-requests", str(c.max_concurrent_requests),
+                   "--graceful-shutdown-s", str(c.graceful_shutdown_s)]
         for model in c.models:
             command += ["--model", model]
         return command  # the API key travels in OMNI_API_KEY (inherited), not on the command line
@@ -53,11 +54,12 @@ class FrontDoorProcess:
                            f"within {ready_timeout_s:.0f} s")
 
     def stop(self) -> None:
+        """SIGTERM (requests in flight get up to `graceful_shutdown_s` to finish), then SIGKILL 10 s after that."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=self.config.graceful_shutdown_s + 10)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()

@@ -266,7 +266,8 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
                 await generation.close()
                 await admission.__aexit__(None, None, None)
 
-            return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n")
+            return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n",
+                                                shutdown_grace_s=door.config.graceful_shutdown_s)
         text, samples, rate, last = await until_disconnect(request, _collect(generation, backend, options))
     except ClientGone:
         await admission.__aexit__(None, None, None)

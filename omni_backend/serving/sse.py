@@ -10,10 +10,14 @@ class ReleasingEventSourceResponse(EventSourceResponse):
 
     Cleanup in the body generator's `finally` alone is not enough: a generator that never started (the client
     left before the first read) never runs it, and the request would keep its concurrency slot and streams.
+
+    Shutdown: sse-starlette ends every stream as soon as uvicorn gets SIGTERM/SIGINT unless a grace period is
+    given; `shutdown_grace_s` lets a stream in flight run on for up to that many seconds (uvicorn's
+    `timeout_graceful_shutdown` should be the same: it stops waiting for connections then).
     """
 
-    def __init__(self, content, release, **kwargs):
-        super().__init__(content, **kwargs)
+    def __init__(self, content, release, *, shutdown_grace_s: float, **kwargs):
+        super().__init__(content, shutdown_grace_period=shutdown_grace_s, **kwargs)
         self._release = release
 
     async def __call__(self, scope, receive, send) -> None:

@@ -81,6 +81,19 @@ def test_settings_from_environment():
     assert ServingConfig.from_env({}).port == 9000
     with pytest.raises(ValueError):
         ServingConfig.from_env({"OMNI_OPENAI_PORT": "x"})
+    assert ServingConfig.from_env({}).graceful_shutdown_s == 30
+    assert ServingConfig.from_env({"OMNI_OPENAI_GRACEFUL_SHUTDOWN_S": "7"}).graceful_shutdown_s == 7
+    with pytest.raises(ValueError, match="graceful_shutdown_s must be >= 0, got -1"):
+        ServingConfig(graceful_shutdown_s=-1)
+
+
+def test_the_front_door_process_passes_its_shutdown_grace():
+    from omni_backend.serving.__main__ import parse_args
+    from omni_backend.serving.process import FrontDoorProcess
+
+    command = FrontDoorProcess(ServingConfig(graceful_shutdown_s=12, port=9123)).command()
+    assert command[command.index("--graceful-shutdown-s") + 1] == "12"
+    assert parse_args(command[3:]).graceful_shutdown_s == 12  # after `python -m omni_backend.serving`
 
 
 def test_preprocess_takes_prompt_token_ids():

@@ -36,6 +36,9 @@ from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
 logger = logging.getLogger(__name__)
 
 CANCEL_POLL_INTERVAL_S = 0.05
+# `is_cancelled` is an IPC round trip per request: with many streams on a busy CPU a round of polls can take
+# tens of ms, so rounds are spaced at least this many times their own duration (polling <= 1/5 of the thread).
+CANCEL_POLL_SPACING = 4
 QUEUE_FULL_MESSAGE = "waiting queue is full"  # how QueueFull's message starts (serving/errors.py matches it)
 
 
@@ -246,8 +249,10 @@ class LLMService:
                 for request_id, item in self._take_outbox():
                     self._deliver(request_id, item)
                 if time.monotonic() >= next_poll:
+                    began = time.monotonic()
                     self._poll_cancellations()
-                    next_poll = time.monotonic() + CANCEL_POLL_INTERVAL_S
+                    took = time.monotonic() - began
+                    next_poll = began + took + max(CANCEL_POLL_INTERVAL_S, CANCEL_POLL_SPACING * took)
             except Exception:  # keep serving the other requests
                 logger.exception("response thread iteration failed")
 

@@ -15,16 +15,13 @@ so the stage sees every request of a burst while its first four are still held: 
 from __future__ import annotations
 
 import json
-import queue
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-import tritonclient.grpc as grpcclient
-from chat_client import chat_messages, make_inputs
 from front_door import MODEL, FrontDoorThread, front_door_config
+from llm_stream import LLMStream, llm_inputs
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
@@ -34,59 +31,6 @@ MAX_TOKENS = 16
 PROMPT = "Tell me a story about a dragon."
 REFUSAL_BOUND_S = 2.0  # a refusal must come well before any accepted request could finish
 WAIT_S = 120.0
-
-
-def llm_inputs(grpc_url: str, prompt: str, max_tokens: int) -> list:
-    """The llm model's inputs for a greedy chat request (`ignore_eos`: exactly max_tokens tokens), made by the
-    server's own preprocess stage."""
-    client = grpcclient.InferenceServerClient(grpc_url)
-    try:
-        result = client.infer("preprocess", make_inputs(
-            {"text_input": chat_messages(prompt), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-             "ignore_eos": True}, grpcclient))
-    finally:
-        client.close()
-    inputs = []
-    for name, datatype in (("input_ids", "INT32"), ("sampling_params", "BYTES")):
-        array = result.as_numpy(name)
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
-class LLMStream:
-    """One gRPC stream to the `llm` model, opened before the burst so that sending is all that is left."""
-
-    def __init__(self, grpc_url: str):
-        self.events: queue.Queue = queue.Queue()
-        self.client = grpcclient.InferenceServerClient(grpc_url)
-        self.client.start_stream(callback=lambda result, error: self.events.put((time.monotonic(), result, error)))
-        self.sent_at = 0.0
-
-    def send(self, inputs: list) -> None:
-        self.sent_at = time.monotonic()
-        self.client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
-
-    def collect(self) -> dict:
-        """Wait for the final response or the error: {"text", "tokens", "finish_reason", "error", "ended_after_s"}."""
-        text, tokens, finish_reason = [], 0, ""
-        try:
-            while True:
-                at, result, error = self.events.get(timeout=WAIT_S)
-                if error is not None:
-                    return {"error": error.message(), "ended_after_s": at - self.sent_at}
-                response = result.get_response()
-                if response.outputs:
-                    text.append(result.as_numpy("text_output")[0].decode("utf-8"))
-                    tokens = int(result.as_numpy("completion_tokens")[0])
-                    finish_reason = result.as_numpy("finish_reason")[0].decode()
-                if response.parameters["triton_final_response"].bool_param:
-                    return {"text": "".join(text), "tokens": tokens, "finish_reason": finish_reason, "error": None,
-                            "ended_after_s": at - self.sent_at}
-        finally:
-            self.client.stop_stream()
-            self.client.close()
 
 
 def chat(url: str, stream: bool) -> dict:

@@ -1,0 +1,71 @@
+"""gRPC streams straight to the decoupled `llm` model, for tests that need many requests in flight at a known
+moment (overload, shutdown): inputs made by the server's own preprocess stage, streams opened before sending."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import tritonclient.grpc as grpcclient
+from chat_client import chat_messages, make_inputs
+
+
+def llm_inputs(grpc_url: str, prompt: str, max_tokens: int) -> list:
+    """The llm model's inputs for a greedy chat request (`ignore_eos`: exactly max_tokens tokens), made by the
+    server's own preprocess stage."""
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        result = client.infer("preprocess", make_inputs(
+            {"text_input": chat_messages(prompt), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+             "ignore_eos": True}, grpcclient))
+    finally:
+        client.close()
+    inputs = []
+    for name, datatype in (("input_ids", "INT32"), ("sampling_params", "BYTES")):
+        array = result.as_numpy(name)
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class LLMStream:
+    """One gRPC stream to the `llm` model for one request; open it early, so that `send` is all that is left.
+
+    `events` gets (time.monotonic(), result, error) per callback: a test may watch it before `collect`.
+    """
+
+    def __init__(self, grpc_url: str):
+        self.events: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.client.start_stream(callback=lambda result, error: self.events.put((time.monotonic(), result, error)))
+        self.sent_at = 0.0
+
+    def send(self, inputs: list) -> None:
+        self.sent_at = time.monotonic()
+        self.client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+
+    def collect(self, timeout_s: float = 120.0) -> dict:
+        """Wait for the final response or the error: {"text", "tokens", "finish_reason", "error", "ended_after_s"}
+        (seconds from sending to the end). The stream is closed afterwards.
+
+        Raises:
+            queue.Empty: nothing arrived for `timeout_s` seconds.
+        """
+        text, tokens, finish_reason = [], 0, ""
+        try:
+            while True:
+                at, result, error = self.events.get(timeout=timeout_s)
+                if error is not None:
+                    return {"error": error.message(), "ended_after_s": at - self.sent_at}
+                response = result.get_response()
+                if response.outputs:
+                    text.append(result.as_numpy("text_output")[0].decode("utf-8"))
+                    tokens = int(result.as_numpy("completion_tokens")[0])
+                    finish_reason = result.as_numpy("finish_reason")[0].decode()
+                if response.parameters["triton_final_response"].bool_param:
+                    return {"text": "".join(text), "tokens": tokens, "finish_reason": finish_reason, "error": None,
+                            "ended_after_s": at - self.sent_at}
+        finally:
+            self.client.stop_stream()
+            self.client.close()

@@ -23,6 +23,9 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
     omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz
                                         gauge      last NVML reading (0 while the governor is disabled)
+    omni_stage_heartbeat_timestamp_seconds
+                                        gauge      Unix time of the stage's last publication: the stage's
+                                                   liveness (see `stale_stages`)
 
 ITL is one observation per request (the mean gap between its tokens, genai-perf's definition) rather than
 one per token, which would cost an IPC call per token.
@@ -31,6 +34,7 @@ one per token, which would cost an IPC call per token.
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -123,10 +127,13 @@ class LLMMetrics:
         self.power = metric("omni_gpu_power_watts", "GPU power draw (W)", G)
         self.temperature = metric("omni_gpu_temperature_celsius", "GPU temperature (C)", G)
         self.sm_clock = metric("omni_gpu_sm_clock_mhz", "GPU SM clock (MHz)", G)
+        self.heartbeat = metric(HEARTBEAT, "Unix time (s) of the stage's last metrics publication", G)
         self._last = LLMStats()
 
-    def publish(self, stats: LLMStats) -> None:
-        """Observe the finished requests, add counter deltas, set gauges (IPC calls: not on the engine loop)."""
+    def publish(self, stats: LLMStats, now: float | None = None) -> None:
+        """Set the heartbeat to `now` (Unix seconds, default time.time()), observe the finished requests, add
+        counter deltas, set gauges (IPC calls: not on the engine loop)."""
+        self.heartbeat.set(time.time() if now is None else now)
         prompt = generated = 0
         for request in stats.finished:
             prompt += request.prompt_tokens
@@ -165,6 +172,10 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)', re.MULTI
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 NOT_ADMITTING = 3  # GovernorState.NOT_ADMITTING (not imported: that module pulls in torch)
 NOT_ADMITTING_MESSAGE = "not admitting new requests"  # how the governor's UNAVAILABLE error message starts
+HEARTBEAT = "omni_stage_heartbeat_timestamp_seconds"
+# A stage publishes about once a second; 3 s without a publication means its stub process died or hangs.
+# (Triton 2.51 keeps a dead stub's model READY and never restarts a decoupled model's stub.)
+STALE_AFTER_S = 3.0
 
 
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -182,17 +193,38 @@ def governor_states(metrics_text: str) -> dict[tuple[str, str], int]:
 
 
 def admitting(metrics_url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """Readiness as the governors see it: (False, reason) when any stage refuses new requests.
+    """Readiness as the stages see it (`stages_ready` of the metrics page): (False, reason) when any stage
+    refuses new requests or has stopped publishing.
 
     Triton 2.51 gives a Python model no way to flip the server's readiness, so a front door's /health (or a
-    Kubernetes readiness probe wrapper) reads the governor gauge from the metrics port.
+    Kubernetes readiness probe wrapper) reads the governor gauge and the heartbeats from the metrics port.
 
     Raises:
         OSError: the metrics port did not answer.
     """
     with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
-        text = response.read().decode("utf-8", "replace")
-    hot = [f"{model}/{version}" for (model, version), state in governor_states(text).items() if state == NOT_ADMITTING]
+        return stages_ready(response.read().decode("utf-8", "replace"))
+
+
+def stale_stages(metrics_text: str, now: float | None = None,
+                 max_age_s: float = STALE_AFTER_S) -> dict[tuple[str, str], float]:
+    """(model, version) -> seconds since its last heartbeat, for every stage whose heartbeat is older than
+    `max_age_s` (`now`: Unix seconds, default time.time()). A stage that never published (gauge still 0) is not
+    listed."""
+    now = time.time() if now is None else now
+    return {(labels.get("model", ""), labels.get("version", "")): now - value
+            for labels, value in parse_metrics(metrics_text).get(HEARTBEAT, []) if value and now - value > max_age_s}
+
+
+def stages_ready(metrics_text: str, now: float | None = None) -> tuple[bool, str]:
+    """Readiness as the stages report it on Triton's metrics page: (False, reason) when a stage's governor
+    refuses new requests or a stage's heartbeat is stale (its stub process died or hangs); else (True, "ok")."""
+    dead = stale_stages(metrics_text, now)
+    if dead:
+        return False, "stage not responding (stub process dead or hung): " + ", ".join(
+            f"{model}/{version} silent for {age:.1f} s" for (model, version), age in sorted(dead.items()))
+    hot = [f"{model}/{version}" for (model, version), state in governor_states(metrics_text).items()
+           if state == NOT_ADMITTING]
     if hot:
         return False, f"not admitting (critical GPU temperature): {', '.join(sorted(hot))}"
     return True, "ok"

@@ -1,9 +1,11 @@
 """`python -m omni_backend.ops.ready`: exit 0 when the server can take new requests, else 1 with the reason.
 
-Ready means Triton's `/v2/health/ready` answers 200 and no stage's governor refuses new requests (critical GPU
-temperature, `omni_governor_state` 3 on the metrics port). Triton 2.51 gives a Python model no way to flip the
-server's readiness, so this is the readiness probe of a deployment (docker/k8s/): while the GPU is too hot the
-pod leaves its Service's endpoints and new traffic goes elsewhere, while requests already running finish.
+Ready means Triton's `/v2/health/ready` answers 200, no stage's governor refuses new requests (critical GPU
+temperature, `omni_governor_state` 3 on the metrics port) and no stage's heartbeat
+(`omni_stage_heartbeat_timestamp_seconds`, published about once a second) is older than 3 s: Triton 2.51 keeps a
+model READY after its stub process died and never restarts a decoupled model's stub. Triton gives a Python model no
+way to flip the server's readiness, so this is the readiness probe of a deployment (docker/k8s/): while the GPU is
+too hot or a stage is dead the pod leaves its Service's endpoints and new traffic goes elsewhere.
 Flags: --http (default localhost:8000), --metrics (default http://localhost:8002/metrics).
 """
 

@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omni_backend.ops.metrics import NOT_ADMITTING, governor_states
+from omni_backend.ops.metrics import stages_ready
 from omni_backend.serving.sse import ReleasingEventSourceResponse
 from omni_backend.serving import errors, images, protocol, speech
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError, invalid
-from omni_backend.serving.metrics import FrontDoorMetrics, ObserveRequests, triton_metrics
+from omni_backend.serving.metrics import FrontDoorMetrics, ObserveRequests, StageWatch, triton_metrics
 from omni_backend.serving.pipeline import Prepared, Step, TritonPipeline
 from omni_backend.serving.v2_proxy import V2Proxy
 
@@ -46,10 +46,11 @@ class FrontDoor:
 
     def __init__(self, config: ServingConfig):
         self.config = config
-        self.pipelines = {name: TritonPipeline(config.triton_grpc, name) for name in config.models}
+        self.session: aiohttp.ClientSession | None = None
+        self.watch = StageWatch(self.http, config.triton_metrics_url)  # stages whose stub died (heartbeats)
+        self.pipelines = {name: TritonPipeline(config.triton_grpc, name, self.watch) for name in config.models}
         self.metrics = FrontDoorMetrics()
         self.in_flight = 0
-        self.session: aiohttp.ClientSession | None = None
         self.v2 = V2Proxy(config, self)
 
     async def close(self) -> None:
@@ -345,13 +346,12 @@ def create_app(config: ServingConfig) -> FastAPI:
         ready = all([await p.ready() for p in door.pipelines.values()])
         if not ready:
             raise errors.unavailable("Triton or a served model is not ready")
-        # Triton 2.51 cannot mark itself unready from a Python model: a stage's governor that refuses new
-        # requests (critical GPU temperature) shows as omni_governor_state on the metrics port.
-        hot = [f"{model}/{version}" for (model, version), state in
-               governor_states(await triton_metrics(door.http(), config.triton_metrics_url)).items()
-               if state == NOT_ADMITTING]
-        if hot:
-            raise errors.unavailable(f"not admitting new requests (critical GPU temperature): {', '.join(hot)}")
+        # Triton 2.51 cannot mark itself unready from a Python model, and keeps a model READY after its stub
+        # process died: a stage's governor refusing new requests (critical GPU temperature) and a stage whose
+        # heartbeat stopped show on the metrics port (omni_backend/ops/metrics.py stages_ready).
+        ready, reason = stages_ready(await triton_metrics(door.http(), config.triton_metrics_url))
+        if not ready:
+            raise errors.unavailable(reason)
         return {"status": "ok"}
 
     @app.get("/metrics")

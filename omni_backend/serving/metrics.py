@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 
+import asyncio
+
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from omni_backend.ops.metrics import stale_stages
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Routes whose requests are counted under their own name; anything else is "other" (bounded label values).
@@ -59,6 +63,36 @@ async def triton_metrics(session: aiohttp.ClientSession, url: str) -> str:
             return await response.text()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         return f"# Triton metrics unavailable: {type(exc).__name__} from {url}\n"
+
+
+class StageWatch:
+    """Which Triton stages have stopped responding (stub process dead or hung), from the heartbeat gauge each
+    stage publishes on Triton's metrics page (omni_backend/ops/metrics.py `stale_stages`).
+
+    Triton 2.51 keeps a dead Python stub's model READY and never ends the streams it was serving, so the front
+    door asks this while it waits on a stream. One scrape serves every caller for `cache_s` seconds.
+
+    Args:
+        session: returns the aiohttp session to scrape with.
+        url: Triton's metrics URL.
+        cache_s: how long one scrape's answer is reused.
+    """
+
+    def __init__(self, session, url: str, cache_s: float = 0.5):
+        self.session, self.url, self.cache_s = session, url, cache_s
+        self._checked = float("-inf")  # time.monotonic() of the last scrape
+        self._silent: dict[tuple[str, str], float] = {}
+        self._lock = asyncio.Lock()
+
+    async def silent(self, model: str) -> float | None:
+        """Seconds since `model` last published its heartbeat when that is too long ago, else None (also when
+        the metrics page cannot be read: no evidence is not evidence of death)."""
+        async with self._lock:
+            if time.monotonic() - self._checked >= self.cache_s:
+                self._silent = stale_stages(await triton_metrics(self.session(), self.url))
+                self._checked = time.monotonic()
+        ages = [age for (name, _), age in self._silent.items() if name == model]
+        return max(ages) if ages else None
 
 
 class ObserveRequests:

@@ -88,6 +88,9 @@ class Step:
     logprobs: list[dict] | None
 
 
+WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
+STUB_DEAD = "is not healthy"  # Triton 2.51's error for a request to a stage whose stub died: "Stub process '<m>' is not healthy."
+
 _UNARY_CALLS: set[asyncio.Task] = set()  # unary calls running on after their caller was cancelled
 
 
@@ -172,10 +175,13 @@ class TritonPipeline:
     Args:
         grpc_url: Triton's gRPC endpoint, `host:port`.
         model: the ensemble's name.
+        watch: a StageWatch (serving/metrics.py); while a request waits on the llm stream, the llm stage's
+            heartbeat is checked every WATCH_INTERVAL_S seconds and a silent stage ends the request with 503.
     """
 
-    def __init__(self, grpc_url: str, model: str = "omni_chat"):
+    def __init__(self, grpc_url: str, model: str = "omni_chat", watch=None):
         self.grpc_url, self.model = grpc_url, model
+        self.watch = watch  # a serving.metrics.StageWatch: ends streams of a stage that died (None: no watch)
         self._client: aio.InferenceServerClient | None = None
         self._info: PipelineInfo | None = None
         self._lock = asyncio.Lock()
@@ -353,9 +359,12 @@ class TritonPipeline:
         stream = self.client.stream_infer(one_request())
         finished = False
         try:
-            async for result, error in stream:
+            while (item := await self._next_response(stream, info.llm.model)) is not None:
+                result, error = item
                 if error is not None:
                     finished = True  # the server ended this request itself
+                    if STUB_DEAD in error.message():  # the stage's stub process died before this request
+                        raise unavailable(f"the {info.llm.model} stage is down: {error.message()}")
                     raise stream_error(error.message(), prompt_field)
                 outputs = {}
                 for name, tensor in info.llm.outputs.items():
@@ -379,6 +388,32 @@ class TritonPipeline:
         finally:
             if not finished:
                 stream.cancel()
+
+    async def _next_response(self, stream, model: str):
+        """The stream's next (result, error), or None at its end.
+
+        Triton 2.51 never ends the streams of a Python stage whose stub process died (nor marks the model
+        unready), so while waiting, the stage's heartbeat is checked every WATCH_INTERVAL_S seconds.
+
+        Raises:
+            OpenAIError: 503 when the stage has not published a heartbeat for STALE_AFTER_S seconds.
+        """
+        pending = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=WATCH_INTERVAL_S if self.watch else None)
+                if done:
+                    try:
+                        return pending.result()
+                    except StopAsyncIteration:
+                        return None
+                silent_s = await self.watch.silent(model)
+                if silent_s is not None:
+                    raise unavailable(f"the {model} stage stopped responding (no heartbeat for {silent_s:.0f} s: "
+                                      "its process died or hangs)")
+        finally:
+            if not pending.done():
+                pending.cancel()
 
     async def _postprocess(self, step: StepWiring, outputs: dict, prompt_field: str, request_id: str) -> dict:
         inputs = []

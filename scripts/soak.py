@@ -197,10 +197,12 @@ async def one_request(session: aiohttp.ClientSession, url: str, kind: str, rng: 
         tally.error(kind, type(exc).__name__, repr(exc))
 
 
-async def traffic(url: str, seconds: float, concurrency: int, seed: int, tally: Tally) -> None:
-    """`concurrency` workers, each sending one request after another until `seconds` have passed."""
+async def traffic(url: str, seconds: float, concurrency: int, seed: int, tally: Tally,
+                  mix: dict[str, int] = KINDS) -> None:
+    """`concurrency` workers, each sending one request after another until `seconds` have passed; each request's
+    kind drawn with the relative weights of `mix`."""
     deadline = time.monotonic() + seconds
-    kinds, weights = list(KINDS), list(KINDS.values())
+    kinds, weights = list(mix), list(mix.values())
 
     async def worker(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
@@ -283,7 +285,7 @@ def run(args) -> int:
         print(f"[soak] up: {len(pids)} processes; warm-up {args.warmup_minutes} min at concurrency "
               f"{args.concurrency}", flush=True)
         warmup = Tally()
-        asyncio.run(traffic(url, args.warmup_minutes * 60, args.concurrency, args.seed + 1, warmup))
+        asyncio.run(traffic(url, args.warmup_minutes * 60, args.concurrency, args.seed + 1, warmup, args.mix))
         wait_kv_free(server.metrics_url)
         start_rss = snapshot(pids)
         timeline = [{"t_s": 0.0, "rss_kib": start_rss}]
@@ -292,7 +294,8 @@ def run(args) -> int:
 
         async def measured() -> None:
             began = time.monotonic()
-            load = asyncio.ensure_future(traffic(url, args.minutes * 60, args.concurrency, args.seed, tally))
+            load = asyncio.ensure_future(traffic(url, args.minutes * 60, args.concurrency, args.seed, tally,
+                                                 args.mix))
             while not load.done():
                 await asyncio.wait({load}, timeout=args.sample_s)
                 if not load.done():
@@ -321,7 +324,7 @@ def run(args) -> int:
              if r["growth_pct"] is None or r["growth_pct"] >= RSS_GROWTH_LIMIT_PCT}
     errors = sum(tally.errors.values())
     result = {
-        "started_unix": int(started), "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,
+        "started_unix": int(started), "kinds": args.mix, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,
         "measured_s": round(elapsed, 1), "concurrency": args.concurrency, "seed": args.seed,
         "requests": dict(tally.sent), "requests_total": sum(tally.sent.values()),
         "requests_per_s": round(sum(tally.sent.values()) / elapsed, 2),
@@ -353,9 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--sample-s", type=float, default=30.0, help="seconds between RSS samples in the timeline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated request kinds to send (of {', '.join(KINDS)}), e.g. to find which "
+                             "one makes a process grow")
     parser.add_argument("--model-repository", default=str(paths.rendered_repository_dir()))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown request kinds: {', '.join(sorted(unknown))}")
+    args.mix = {kind: KINDS[kind] for kind in args.kinds.split(",")}
+    return run(args)
 
 
 if __name__ == "__main__":

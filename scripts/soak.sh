@@ -4,7 +4,7 @@
 # off at a random point, completions. Reports errors by kind and the RSS growth of every process (tritonserver,
 # each Python-backend stub by model, the front door); writes benchmarks/results/soak.json.
 # Exit code 1 when there was any error or a process grew its RSS by 5 % or more (2: the stack did not start).
-# Flags: --minutes M --warmup-minutes M --concurrency N --sample-s S --seed N --out FILE (scripts/soak.py).
+# Flags: --minutes M --warmup-minutes M --concurrency N --sample-s S --seed N --kinds K,K --out FILE (scripts/soak.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"

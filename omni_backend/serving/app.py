@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from omni_backend.ops.metrics import stages_ready
 from omni_backend.serving.sse import ReleasingEventSourceResponse
@@ -311,6 +312,12 @@ def create_app(config: ServingConfig) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        # The client left while its body was being read (seen in the cancel storm): nobody to answer, no fault to
+        # log. 499 is what the metrics count it as.
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -12,6 +12,7 @@ class ListSink:
         self.outputs = []
         self.errors = []
         self.cancelled = False
+        self.closed = 0  # final flags sent without a response (after a cancellation)
         self.done = threading.Event()
 
     def send(self, output):
@@ -21,6 +22,10 @@ class ListSink:
 
     def fail(self, message):
         self.errors.append(message)
+        self.done.set()
+
+    def close(self):
+        self.closed += 1
         self.done.set()
 
     def is_cancelled(self):

@@ -44,6 +44,9 @@ class _Sink:
         self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
                          flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
+    def close(self):
+        self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
     def is_cancelled(self):
         return self.sender.is_cancelled()
 

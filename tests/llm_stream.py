@@ -52,11 +52,12 @@ class LLMStream:
         Raises:
             queue.Empty: nothing arrived for `timeout_s` seconds.
         """
-        text, tokens, finish_reason = [], 0, ""
+        text, tokens, finish_reason, ended = [], 0, "", False
         try:
             while True:
                 at, result, error = self.events.get(timeout=timeout_s)
                 if error is not None:
+                    ended = True
                     return {"error": error.message(), "ended_after_s": at - self.sent_at}
                 response = result.get_response()
                 if response.outputs:
@@ -64,8 +65,9 @@ class LLMStream:
                     tokens = int(result.as_numpy("completion_tokens")[0])
                     finish_reason = result.as_numpy("finish_reason")[0].decode()
                 if response.parameters["triton_final_response"].bool_param:
+                    ended = True
                     return {"text": "".join(text), "tokens": tokens, "finish_reason": finish_reason, "error": None,
                             "ended_after_s": at - self.sent_at}
-        finally:
-            self.client.stop_stream()
+        finally:  # a stream that did not end is cancelled: closing it would wait for the server
+            self.client.stop_stream(cancel_requests=not ended)
             self.client.close()

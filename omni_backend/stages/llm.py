@@ -13,16 +13,26 @@ requests with `NotAdmitting` (Triton UNAVAILABLE) while admitted ones run to the
 Overload: the service holds at most `max_num_seqs + max_queued_requests` requests (running plus waiting); past
 that `submit` refuses at once with `QueueFull` (Triton UNAVAILABLE, "waiting queue is full ... retry later"),
 so a burst never grows an unbounded queue, and every request it accepted runs to the end.
+
+Shutdown: tritonserver keeps the model loaded while requests it accepted still stream, but when its
+`--exit-timeout-secs` runs out with a decoupled request in flight, 2.51 crashes in its teardown (signal 11/6 seen)
+and hangs without answering those clients. So while requests are held a watch thread asks every 0.5 s whether the
+server is stopping (its HTTP endpoint, which closes as shutdown begins: see `parent_server_probe`); from then on
+requests get `stop_grace_s` (the exit timeout less STOP_MARGIN_S) to finish, and those still held are aborted
+(finish reason "abort"), so the server exits cleanly and every client gets an ending.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
-from typing import Protocol
+import urllib.error
+import urllib.request
+from typing import Callable, Protocol
 
 import torch
 
@@ -36,6 +46,8 @@ from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
 logger = logging.getLogger(__name__)
 
 CANCEL_POLL_INTERVAL_S = 0.05
+STOP_POLL_INTERVAL_S = 0.5  # how often the watch thread asks whether the server is stopping
+STOP_MARGIN_S = 3.0  # aborting, the last responses and unloading must fit between the abort and the exit timeout
 # `is_cancelled` is an IPC round trip per request: with many streams on a busy CPU a round of polls can take
 # tens of ms, so rounds are spaced at least this many times their own duration (polling <= 1/5 of the thread).
 CANCEL_POLL_SPACING = 4
@@ -78,6 +90,56 @@ def max_queued_requests_from_parameters(parameters: dict[str, str]) -> int:
     return value
 
 
+def tritonserver_flags(cmdline: list[str]) -> dict[str, str]:
+    """`--name=value` and `--name value` flags of a tritonserver command line, by name without dashes."""
+    flags, i = {}, 1
+    while i < len(cmdline):
+        arg = cmdline[i]
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if not eq and i + 1 < len(cmdline) and not cmdline[i + 1].startswith("--"):
+                value, i = cmdline[i + 1], i + 1
+            flags[name] = value
+        i += 1
+    return flags
+
+
+def parent_server_probe(pid: int | None = None) -> tuple[Callable[[], bool] | None, int | None]:
+    """(probe, exit timeout in s) for the tritonserver that started this stub process (its parent, or `pid`).
+
+    Read from its command line: the exit timeout (`--exit-timeout-secs`, default 30) and its HTTP endpoint. The
+    probe answers True once `GET /v2/health/live` there fails: tritonserver 2.51 closes its HTTP endpoint as soon
+    as shutdown begins (seen: connection refused 0.5 s after SIGTERM). A Python model has no other way to learn
+    it: `pb_utils.is_model_ready` raises once shutdown began, but a second call from a thread hung the stub here.
+    (None, None) when the parent is not a tritonserver with HTTP on (the watch is then off).
+    """
+    try:
+        with open(f"/proc/{pid or os.getppid()}/cmdline", "rb") as file:
+            cmdline = [part.decode(errors="replace") for part in file.read().split(b"\0") if part]
+    except OSError:
+        return None, None
+    if not cmdline or not os.path.basename(cmdline[0]).startswith("tritonserver"):
+        return None, None
+    flags = tritonserver_flags(cmdline)
+    if flags.get("allow-http", "true").lower() in ("false", "0", "no"):
+        return None, None
+    try:
+        port, exit_timeout_s = int(flags.get("http-port", "8000")), int(flags.get("exit-timeout-secs", "30"))
+    except ValueError:
+        return None, None
+    host = flags.get("http-address", "127.0.0.1")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v2/health/live"
+
+    def stopping() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return response.status != 200
+        except (urllib.error.URLError, OSError):
+            return True
+
+    return stopping, exit_timeout_s
+
+
 def engine_config_from_parameters(parameters: dict[str, str]) -> EngineConfig:
     """Build an EngineConfig from a Triton config's string `parameters` (see model_repository/llm).
 
@@ -115,13 +177,17 @@ class LLMService:
         metrics_interval_s: seconds between publications.
         max_queued_requests: requests held beyond the engine's `max_num_seqs` (they wait to run); `submit`
             refuses more with QueueFull. 0: no limit.
+        stopping: probe, True once the server is shutting down or unloading the model (None: never asked).
+        stop_grace_s: seconds requests may run on after `stopping` first says True (after it has said False at
+            least once); then the ones still held are aborted. None: never aborted.
 
     Raises:
         ValueError: max_queued_requests < 0.
     """
 
     def __init__(self, engine: LLMEngine, governor: Governor | None = None, metrics: LLMMetrics | None = None,
-                 metrics_interval_s: float = 1.0, max_queued_requests: int = 0):
+                 metrics_interval_s: float = 1.0, max_queued_requests: int = 0,
+                 stopping: Callable[[], bool] | None = None, stop_grace_s: float | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
@@ -132,6 +198,11 @@ class LLMService:
         # requests held at once (running + waiting), None: no limit
         self.capacity = engine.config.max_num_seqs + max_queued_requests if max_queued_requests else None
         self.num_rejected = 0  # requests refused with QueueFull since start
+        self.stopping, self.stop_grace_s = stopping, stop_grace_s
+        self._seen_ready = False  # `stopping` said False once (a probe that never works never aborts anything)
+        self._probe_failed = False  # the traceback of a failing probe is logged once
+        self.stop_deadline: float | None = None  # time.monotonic() when held requests are aborted
+        self._aborted_for_stop: set[str] = set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, ResponseSink] = {}
@@ -144,6 +215,8 @@ class LLMService:
                          threading.Thread(target=self._response_loop, name="llm-responses", daemon=True)]
         if metrics is not None:
             self._threads.append(threading.Thread(target=self._metrics_loop, name="llm-metrics", daemon=True))
+        if stopping is not None and stop_grace_s is not None:
+            self._threads.append(threading.Thread(target=self._stop_watch_loop, name="llm-stop-watch", daemon=True))
 
     def start(self) -> None:
         for thread in self._threads:
@@ -258,6 +331,45 @@ class LLMService:
                     next_poll = began + took + max(CANCEL_POLL_INTERVAL_S, CANCEL_POLL_SPACING * took)
             except Exception:  # keep serving the other requests
                 logger.exception("response thread iteration failed")
+
+    def _stop_watch_loop(self) -> None:
+        while not self._stopping.wait(STOP_POLL_INTERVAL_S):
+            try:
+                self.watch_for_stop()
+            except Exception:  # the watch must never take the stage down
+                logger.exception("the stop watch failed")
+
+    def watch_for_stop(self) -> None:
+        """One look of the watch thread: while requests are held, ask `stopping`; `stop_grace_s` after it first
+        says the server is stopping (having said it is not, once), abort every request still held (each ends
+        with finish reason "abort"). Its own thread: a slow probe never holds up responses."""
+        now = time.monotonic()
+        if self.stop_deadline is None:
+            if not self.num_active:
+                return
+            try:
+                stopping = self.stopping()
+            except Exception:  # an unknown answer: ask again later, change nothing
+                logger.warning("asking whether the server is stopping failed", exc_info=not self._probe_failed)
+                self._probe_failed = True
+                return
+            if not stopping:
+                self._seen_ready = True
+                return
+            if not self._seen_ready:
+                return
+            self.stop_deadline = now + self.stop_grace_s
+            logger.warning("the server is stopping with %d requests in flight; those still running in %.1f s are "
+                           "aborted so that it exits within its exit timeout", self.num_active, self.stop_grace_s)
+        if now < self.stop_deadline:
+            return
+        with self._sinks_lock:
+            held = [request_id for request_id in self._sinks if request_id not in self._aborted_for_stop]
+        for request_id in held:
+            self._aborted_for_stop.add(request_id)
+            self.abort(request_id)
+        if held:
+            logger.warning("aborted %d requests still running at the server's exit timeout", len(held))
 
     def _take_outbox(self) -> list[tuple[str, RequestOutput | str]]:
         """Everything in the outbox (waiting up to the cancellation poll interval for the first item), with
@@ -404,4 +516,6 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     metrics = None
     if pb_utils is not None:
         metrics = LLMMetrics(pb_utils, model, version, engine.runner.attention_backend)
-    return LLMService(engine, governor, metrics, metrics_interval_s, max_queued_requests)
+    probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)
+    stop_grace_s = max(0.0, exit_timeout_s - STOP_MARGIN_S) if exit_timeout_s is not None else None
+    return LLMService(engine, governor, metrics, metrics_interval_s, max_queued_requests, probe, stop_grace_s)

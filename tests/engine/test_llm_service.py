@@ -11,7 +11,7 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.stages.llm import (LLMService, QueueFull, engine_config_from_parameters,
-                                     max_queued_requests_from_parameters)
+                                     max_queued_requests_from_parameters, parent_server_probe, tritonserver_flags)
 
 
 @pytest.fixture()
@@ -171,3 +171,59 @@ def test_max_queued_requests_parameter():
         max_queued_requests_from_parameters({"max_queued_requests": "-1"})
     with pytest.raises(ValueError, match="max_queued_requests must be an integer >= 0, got 'many'"):
         max_queued_requests_from_parameters({"max_queued_requests": "many"})
+
+
+def test_once_the_server_is_stopping_requests_still_running_after_the_grace_are_aborted(tiny_qwen2_path):
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                    max_num_seqs=4, max_model_len=512))
+    probe = {"stopping": False, "calls": 0}
+
+    def stopping():
+        probe["calls"] += 1
+        return probe["stopping"]
+
+    service = LLMService(engine, stopping=stopping, stop_grace_s=0.5)
+    service.start()
+    try:
+        short, long = ListSink(), ListSink()
+        service.submit("short", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), short)
+        service.submit("long", [4, 5, 6], SamplingParams(max_tokens=400, ignore_eos=True, stream=True), long)
+        assert short.done.wait(10) and short.outputs[-1].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while probe["calls"] == 0 and time.monotonic() < deadline:  # asked (every 0.5 s) while requests are held
+            time.sleep(0.01)
+        assert probe["calls"] >= 1 and service.stop_deadline is None and not long.done.is_set()
+        probe["stopping"] = True
+        stopped_at = time.monotonic()
+        assert long.done.wait(10)
+        ended_after_s = time.monotonic() - stopped_at
+        assert long.errors == [] and long.outputs[-1].finish_reason == "abort"
+        assert 0 < long.outputs[-1].completion_tokens < 400
+        assert 0.5 <= ended_after_s < 0.5 + 0.5 + 1.0  # the grace, one poll interval, delivery
+        assert service.num_active == 0
+        assert engine.runner.block_manager.num_free_blocks == 64
+    finally:
+        service.shutdown()
+
+
+def test_a_probe_that_never_said_ready_aborts_nothing(tiny_qwen2_path):
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                    max_num_seqs=4, max_model_len=512))
+    service = LLMService(engine, stopping=lambda: True, stop_grace_s=0.0)
+    service.start()
+    try:
+        sink = ListSink()
+        service.submit("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), sink)
+        assert sink.done.wait(30)
+        assert (sink.outputs[-1].finish_reason, sink.outputs[-1].completion_tokens) == ("length", 40)
+        assert service.stop_deadline is None
+    finally:
+        service.shutdown()
+
+
+def test_the_stop_probe_reads_the_parent_tritonserver_command_line():
+    flags = tritonserver_flags(["/opt/tritonserver/bin/tritonserver", "--model-repository=/m", "--http-port", "8123",
+                                "--exit-timeout-secs=12", "--log-verbose=0"])
+    assert flags == {"model-repository": "/m", "http-port": "8123", "exit-timeout-secs": "12", "log-verbose": "0"}
+    import os
+    assert parent_server_probe(os.getpid()) == (None, None)  # a python process is not a tritonserver

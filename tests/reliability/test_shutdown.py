@@ -4,8 +4,10 @@ tritonserver 2.51 (seen on this binary): on SIGTERM it stops every model for new
 to any model fails with NOT_FOUND "Request for unknown model: '<m>' has no available versions", server readiness
 is UNAVAILABLE "Server exiting"), keeps a model loaded while requests it accepted are still streaming (the llm
 stage's running and waiting requests alike), unloads it when they are done, and exits with code 0, all within
-`--exit-timeout-secs`. The front door (its own process, `python -m omni_backend.serving`) closes its listening
-socket at once (new connections are refused) and lets streams in flight run for up to `graceful_shutdown_s`.
+`--exit-timeout-secs`. Requests that would outlast the exit timeout are aborted by the llm stage 3 s before it
+ends (finish reason "abort"), so the server still exits 0 (left alone, 2.51 crashes in its teardown and hangs).
+The front door (its own process, `python -m omni_backend.serving`) closes its listening socket at once (new
+connections are refused) and lets streams in flight run for up to `graceful_shutdown_s`.
 """
 
 from __future__ import annotations
@@ -172,3 +174,32 @@ def test_sigterm_to_the_front_door_process_lets_streams_finish_and_refuses_new_c
         assert exited_after_s < grace_s
     finally:
         door.stop()
+
+
+def test_requests_still_running_at_the_exit_timeout_are_aborted_and_the_server_exits_cleanly(make_chat_server):
+    # tritonserver 2.51 crashes (signal 11/6 in its teardown) and hangs with the clients' streams open when its exit
+    # timeout runs out with a decoupled request in flight; the llm stage aborts them 3 s before (STOP_MARGIN_S)
+    exit_timeout_s = 8
+    server = make_chat_server(exit_timeout_s=exit_timeout_s)
+    long_tokens = 600  # about a minute here: far longer than the exit timeout
+    streams = [LLMStream(server.grpc_url) for _ in range(2)]
+    for stream in streams:
+        stream.send(llm_inputs(server.grpc_url, PROMPT, long_tokens))
+    deadline = time.monotonic() + 60
+    while any(stream.events.empty() for stream in streams) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(stream.events.empty() for stream in streams)
+    sigterm_at = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    with ThreadPoolExecutor(len(streams)) as pool:
+        results = list(pool.map(lambda stream: stream.collect(timeout_s=exit_timeout_s + 10), streams))
+    for stream, result in zip(streams, results):
+        assert result["error"] is None and result["finish_reason"] == "abort"
+        assert 0 < result["tokens"] < long_tokens and result["text"]
+        ended_after_sigterm_s = stream.sent_at + result["ended_after_s"] - sigterm_at
+        assert exit_timeout_s - 3 <= ended_after_sigterm_s < exit_timeout_s
+    code = server.process.wait(exit_timeout_s + 10)
+    assert code == 0 and time.monotonic() - sigterm_at < exit_timeout_s + 1
+    log = server.log_text()
+    assert "Exit timeout expired" not in log and "Signal (11)" not in log and "Signal (6)" not in log
+    assert "aborted 2 requests still running at the server's exit timeout" in log

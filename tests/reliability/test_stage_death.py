@@ -14,7 +14,6 @@ until the server is restarted.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import threading
@@ -24,12 +23,11 @@ import urllib.request
 
 import numpy as np
 import psutil
-import pytest
 import tritonclient.grpc as grpcclient
 from front_door import MODEL, FrontDoorThread, front_door_config
 
 from omni_backend.ops.metrics import HEARTBEAT, STALE_AFTER_S, parse_metrics
-from omni_backend.ops.ready import check
+from omni_backend.ops.ready import check, check_live
 
 READY_WITHIN_S = 5.0  # readiness must turn false this soon after the stub dies
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
@@ -93,6 +91,7 @@ def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_serve
         assert abs(heartbeat(server) - time.time()) < STALE_AFTER_S, "the llm stage publishes no fresh heartbeat"
         assert http_status(door.url + "/health")[0] == 200
         assert check(server.http_url, server.metrics_url) == (True, "ok")
+        assert check_live(server.http_url, server.metrics_url) == (True, "ok")
 
         # in flight: two streamed chats (one is past its first chunk), one non-streamed chat
         streams = [queue.Queue() for _ in range(2)]
@@ -160,10 +159,14 @@ def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_serve
             client.stop_stream(cancel_requests=True)
         assert error is not None and "not healthy" in str(error)
 
-        # the stage stays clearly down: no restart in Triton 2.51, readiness stays false
+        # the stage stays clearly down: no restart in Triton 2.51, readiness stays false, and the liveness check
+        # (a deployment's liveness probe, which restarts the server) fails while Triton's own stays 200
         time.sleep(2)
         assert http_status(door.url + "/health")[0] == 503
         assert not check(server.http_url, server.metrics_url)[0]
+        live, reason = check_live(server.http_url, server.metrics_url)
+        assert not live and "llm/1 silent for" in reason, reason
+        assert http_status(f"http://{server.http_url}/v2/health/live")[0] == 200
         assert server.process.poll() is None
         print(f"readiness false after {flipped}; in-flight requests ended {ended_s:.1f} s after the kill")
     finally:

@@ -131,10 +131,18 @@ def parent_server_probe(pid: int | None = None) -> tuple[Callable[[], bool] | No
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v2/health/live"
 
     def stopping() -> bool:
+        """True when the port refuses the connection (or answers not live); a timeout or other error raises
+        (an unknown answer: a busy server must not look like a stopping one)."""
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
                 return response.status != 200
-        except (urllib.error.URLError, OSError):
+        except urllib.error.HTTPError:
+            return True
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ConnectionRefusedError):
+                return True
+            raise
+        except ConnectionRefusedError:
             return True
 
     return stopping, exit_timeout_s
@@ -344,9 +352,9 @@ class LLMService:
         says the server is stopping (having said it is not, once), abort every request still held (each ends
         with finish reason "abort"). Its own thread: a slow probe never holds up responses."""
         now = time.monotonic()
-        if self.stop_deadline is None:
-            if not self.num_active:
-                return
+        if not self.num_active:
+            return
+        if self.stop_deadline is None or now < self.stop_deadline:  # during the grace too: a false alarm clears
             try:
                 stopping = self.stopping()
             except Exception:  # an unknown answer: ask again later, change nothing
@@ -354,15 +362,19 @@ class LLMService:
                 self._probe_failed = True
                 return
             if not stopping:
-                self._seen_ready = True
+                if self.stop_deadline is not None:
+                    logger.warning("the server answers again: not stopping after all")
+                self._seen_ready, self.stop_deadline = True, None
                 return
             if not self._seen_ready:
                 return
-            self.stop_deadline = now + self.stop_grace_s
-            logger.warning("the server is stopping with %d requests in flight; those still running in %.1f s are "
-                           "aborted so that it exits within its exit timeout", self.num_active, self.stop_grace_s)
-        if now < self.stop_deadline:
-            return
+            if self.stop_deadline is None:
+                self.stop_deadline = now + self.stop_grace_s
+                logger.warning("the server is stopping with %d requests in flight; those still running in %.1f s "
+                               "are aborted so that it exits within its exit timeout", self.num_active,
+                               self.stop_grace_s)
+            if now < self.stop_deadline:
+                return
         with self._sinks_lock:
             held = [request_id for request_id in self._sinks if request_id not in self._aborted_for_stop]
         for request_id in held:

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.errors import invalid
-from omni_backend.serving.pipeline import infer_to_completion
+from omni_backend.serving.pipeline import infer_to_completion, numeric_array
 from omni_backend.stages.diffusion import ImageLimits, format_size, parse_size
 
 ENSEMBLE = "text2image"
@@ -76,7 +76,10 @@ class ImageBackend:
             ("guidance_scale", "FP32", values["guidance_scale"]), ("seed", "INT64", values["seed"]),
         ) + ((("negative_prompt", "BYTES", values["negative_prompt"].encode("utf-8")),)
              if values.get("negative_prompt") is not None else ()):
-            array = np.array([[value]], dtype=np.object_ if datatype == "BYTES" else grpcclient.triton_to_np_dtype(datatype))
+            if datatype == "BYTES":
+                array = np.array([[value]], dtype=np.object_)
+            else:  # a value beyond the tensor's type is a 400 (numpy would wrap a seed or steps into range)
+                array = numeric_array([value], datatype, _STAGE_FIELDS.get(name, name)).reshape(1, 1)
             tensor = grpcclient.InferInput(name, [1, 1], datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)

@@ -143,7 +143,7 @@ def _client_field(tensor: str, prompt_field: str) -> str:
     return prompt_field if field == "prompt" else field
 
 
-def _numeric_array(items: list, datatype: str, field: str) -> np.ndarray:
+def numeric_array(items: list, datatype: str, field: str) -> np.ndarray:
     """`items` as a numpy array of a Triton numeric `datatype` ("INT32", "UINT64", "FP32", "BOOL", ...).
 
     numpy would raise OverflowError for an integer beyond int64 and silently wrap one beyond a smaller type
@@ -269,7 +269,7 @@ class TritonPipeline:
                     field = _client_field(name, prompt_field)
                     raise invalid(f"{field} is not valid Unicode (it holds an unpaired surrogate)", field) from None
             else:
-                array = _numeric_array(items, datatype, _client_field(name, prompt_field))
+                array = numeric_array(items, datatype, _client_field(name, prompt_field))
             tensor = grpcclient.InferInput(stage_name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)

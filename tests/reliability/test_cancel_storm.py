@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
 from chat_client import make_inputs
+from llm_metrics import llm_metrics, wait_for
 from front_door import MODEL, FrontDoorThread, front_door_config
 
 SEED = 8
@@ -49,18 +50,6 @@ class Outcome:
     responses: int  # responses (gRPC) or SSE events (HTTP) read before cancelling
     finished: bool  # read to the end before the cancel point came
     error: str | None = None
-
-
-def llm_metrics(metrics_url: str) -> dict[str, float]:
-    """The llm stage's omni_kv_cache_blocks_used/_total and omni_requests_running/_waiting gauges."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    values = {}
-    for name in ("omni_kv_cache_blocks_used", "omni_kv_cache_blocks_total", "omni_requests_running",
-                 "omni_requests_waiting"):
-        match = re.search(rf'^{name}{{[^}}]*model="llm"[^}}]*}} (\S+)$', text, re.MULTILINE)
-        assert match, f"{name} for llm is missing from the metrics page"
-        values[name] = float(match.group(1))
-    return values
 
 
 def front_door_in_flight(url: str) -> float:
@@ -147,16 +136,6 @@ def http_disconnect(port: int, prompt: str, point: str, events_before: int) -> O
         return Outcome("http", point, events, finished)
     finally:
         sock.close()
-
-
-def wait_for(condition, timeout_s: float, interval_s: float = 0.2):
-    """Poll `condition()` until it returns a truthy value or `timeout_s` passes; returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 def chat(url: str, body: dict) -> dict:

@@ -31,7 +31,6 @@ case -> test
 import asyncio
 import json
 import time
-import urllib.request
 
 import aiohttp
 import numpy as np
@@ -40,10 +39,10 @@ import requests
 import tritonclient.grpc as grpcclient
 from front_door import MODEL
 from frontdoor_http import get, post, sse
+from llm_metrics import llm_metrics, wait_for
 from media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, image_bytes, image_part, speech,
                           text_only_prompt_tokens)
 
-from omni_backend.ops.metrics import parse_metrics
 
 IMAGE_TOKENS = 49
 """Placeholder tokens per image (the vision encoder's 7x7 pooled grid)."""
@@ -357,35 +356,23 @@ def _engine_slots(triton_server) -> int:
     return int(config["parameters"]["max_num_seqs"]["string_value"])
 
 
-def _llm_gauge(triton_server, name: str) -> float:
-    """The llm stage's gauge `name` on Triton's metrics page (published about once a second)."""
-    with urllib.request.urlopen(triton_server.metrics_url, timeout=5) as response:
-        samples = parse_metrics(response.read().decode())
-    found = [value for labels, value in samples.get(name, []) if labels.get("model") == "llm"]
-    assert len(found) == 1, (name, found)
-    return found[0]
-
-
-def _wait_for_gauges(triton_server, what: str, timeout_s: float, **wanted) -> None:
-    """Poll until every gauge in `wanted` (name -> predicate on its value) holds; AssertionError after
-    `timeout_s` seconds naming `what` and the last values."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = {name: _llm_gauge(triton_server, name) for name in wanted}
-        if all(check(values[name]) for name, check in wanted.items()):
-            return
-        assert time.monotonic() < deadline, f"{what}: {values} after {timeout_s} s"
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_c18_disconnect_aborts_generation_and_frees_kv_blocks(front_door, triton_server, stream):
     """Fill every engine slot with long generations, drop their connections: the KV blocks go back to the level
     before (0 on the idle session server) and a new request starts at once. Without cancellation the engine
     would go on with thousands of tokens (minutes on this CPU) holding every slot."""
     slots = _engine_slots(triton_server)
-    idle = {"omni_kv_cache_blocks_used": lambda v: v == 0, "omni_requests_running": lambda v: v == 0}
-    _wait_for_gauges(triton_server, "the session server is not idle before the case", 15, **idle)
+    metrics_url = triton_server.metrics_url
+
+    def idle() -> bool:
+        gauges = llm_metrics(metrics_url)
+        return gauges["omni_kv_cache_blocks_used"] == 0 and gauges["omni_requests_running"] == 0
+
+    def all_running() -> bool:
+        gauges = llm_metrics(metrics_url)
+        return gauges["omni_requests_running"] == slots and gauges["omni_kv_cache_blocks_used"] >= slots
+
+    assert wait_for(idle, 15), f"the session server is not idle before the case: {llm_metrics(metrics_url)}"
     long = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1200, "ignore_eos": True,
             "stream": stream}
 
@@ -401,9 +388,8 @@ def test_c18_disconnect_aborts_generation_and_frees_kv_blocks(front_door, triton
                 tasks = [asyncio.ensure_future(session.post(front_door.url + "/v1/completions", json=long))
                          for _ in range(slots)]
             # all admitted and decoding: every slot holds KV blocks
-            await asyncio.to_thread(_wait_for_gauges, triton_server, "the long requests never all ran", 30,
-                                    omni_requests_running=lambda v: v == slots,
-                                    omni_kv_cache_blocks_used=lambda v: v >= slots)
+            assert await asyncio.to_thread(wait_for, all_running, 30), \
+                f"the long requests never all ran: {llm_metrics(metrics_url)}"
             if stream:
                 for response in responses:
                     response.close()
@@ -413,8 +399,8 @@ def test_c18_disconnect_aborts_generation_and_frees_kv_blocks(front_door, triton
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         dropped = time.monotonic()
-        await asyncio.to_thread(_wait_for_gauges, triton_server, "KV blocks not freed after the disconnects", 10,
-                                **idle)
+        assert await asyncio.to_thread(wait_for, idle, 10), \
+            f"KV blocks not freed 10 s after the disconnects: {llm_metrics(metrics_url)}"
         freed_s = time.monotonic() - dropped
         started = time.monotonic()
         async with aiohttp.ClientSession() as session:

@@ -13,8 +13,8 @@ traffic at `--concurrency` (8) of mixed requests:
 and a second snapshot when the last request is done. It also checks that the llm stage's KV blocks go back to 0
 once the traffic stops (a leak would keep them). Results go to benchmarks/results/soak.json.
 
-Exit code: 0 when there were no errors and no process grew its RSS by 5 % or more; 1 otherwise; 2 when the stack
-did not start.
+Exit code: 0 when there were no errors (warm-up included) and no process grew its RSS by 5 % or more; 1
+otherwise; 2 when the stack did not start.
 """
 
 from __future__ import annotations
@@ -322,6 +322,9 @@ def run(args) -> int:
     rss = growth_report(start_rss, end_rss)
     grown = {label: r["growth_pct"] for label, r in rss.items()
              if r["growth_pct"] is None or r["growth_pct"] >= RSS_GROWTH_LIMIT_PCT}
+    for key, count in warmup.errors.items():  # an error is an error, warm-up or not
+        tally.errors[f"warmup:{key}"] += count
+        tally.examples.setdefault(f"warmup:{key}", warmup.examples[key])
     errors = sum(tally.errors.values())
     result = {
         "started_unix": int(started), "kinds": args.mix, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,

@@ -10,7 +10,8 @@ from list_sink import ListSink
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.stages.llm import (LLMService, QueueFull, engine_config_from_parameters,
+from omni_backend.stages.llm import (LLMService, QueueFull, build_engine_on_a_passing_thread,
+                                     engine_config_from_parameters,
                                      max_queued_requests_from_parameters, parent_server_probe, tritonserver_flags)
 
 
@@ -93,6 +94,20 @@ def test_invalid_requests_raise_before_queueing_and_the_next_works(service):
     sink = ListSink()
     service.submit("ok", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), sink)
     assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 3
+
+
+def test_the_engine_built_on_a_passing_thread_is_the_engine_and_its_errors_reach_the_caller(tiny_qwen2_path,
+                                                                                           tmp_path):
+    config = EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64, max_model_len=512)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    built = build_engine_on_a_passing_thread(config)
+    assert built.generate([[100, 200, 300]], params)[0].token_ids == \
+        LLMEngine(config).generate([[100, 200, 300]], params)[0].token_ids
+    missing = EngineConfig(model_path=str(tmp_path / "no-such-model"), dtype="float32", num_kv_blocks=64)
+    with pytest.raises(Exception) as direct:
+        LLMEngine(missing)
+    with pytest.raises(direct.type, match=str(tmp_path)):
+        build_engine_on_a_passing_thread(missing)
 
 
 def test_engine_config_from_triton_parameters(tiny_qwen2_path):

@@ -127,7 +127,7 @@ class LLMMetrics:
         self.power = metric("omni_gpu_power_watts", "GPU power draw (W)", G)
         self.temperature = metric("omni_gpu_temperature_celsius", "GPU temperature (C)", G)
         self.sm_clock = metric("omni_gpu_sm_clock_mhz", "GPU SM clock (MHz)", G)
-        self.heartbeat = metric(HEARTBEAT, "Unix time (s) of the stage's last metrics publication", G)
+        self.heartbeat = metric(HEARTBEAT, "Unix time (s) at which the stage last showed progress", G)
         self._last = LLMStats()
 
     def publish(self, stats: LLMStats, now: float | None = None) -> None:

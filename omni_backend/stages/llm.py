@@ -51,6 +51,7 @@ STOP_MARGIN_S = 3.0  # aborting, the last responses and unloading must fit betwe
 # `is_cancelled` is an IPC round trip per request: with many streams on a busy CPU a round of polls can take
 # tens of ms, so rounds are spaced at least this many times their own duration (polling <= 1/5 of the thread).
 CANCEL_POLL_SPACING = 4
+LOOP_STUCK_AFTER_S = 20.0
 QUEUE_FULL_MESSAGE = "waiting queue is full"  # how QueueFull's message starts (serving/errors.py matches it)
 
 
@@ -219,6 +220,8 @@ class LLMService:
         self._finished: collections.deque[FinishedRequest] = collections.deque()  # for the metrics thread
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
+        # time.monotonic() when each loop last began an iteration (see heartbeat_time)
+        self._progress = {"engine loop": time.monotonic(), "response thread": time.monotonic()}
         self._threads = [threading.Thread(target=self._engine_loop, name="llm-engine-loop", daemon=True),
                          threading.Thread(target=self._response_loop, name="llm-responses", daemon=True)]
         if metrics is not None:
@@ -262,7 +265,8 @@ class LLMService:
                                 f"{self.max_queued_requests} waiting); retry later")
             self._sinks[request_id] = sink
             self._submitted[request_id] = submitted
-        self._inbox.put(("add", request_id, (prompt_token_ids, prompt_embeds), params))
+            # under the lock: an abort for this id (cancel poll, stop watch) can only be queued after the add
+            self._inbox.put(("add", request_id, (prompt_token_ids, prompt_embeds), params))
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
@@ -272,6 +276,7 @@ class LLMService:
 
     def _engine_loop(self) -> None:
         while not self._stopping.is_set():
+            self._progress["engine loop"] = time.monotonic()
             try:
                 self.run_once()
             except Exception:  # the loop must outlive any fault, or every request in flight would hang
@@ -329,9 +334,13 @@ class LLMService:
     def _response_loop(self) -> None:
         next_poll = time.monotonic()
         while not self._stopping.is_set():
+            self._progress["response thread"] = time.monotonic()
             try:
                 for request_id, item in self._take_outbox():
-                    self._deliver(request_id, item)
+                    try:  # one failing delivery must not drop the others taken with it
+                        self._deliver(request_id, item)
+                    except Exception:
+                        logger.exception("delivering a response for %s failed", request_id)
                 if time.monotonic() >= next_poll:
                     began = time.monotonic()
                     self._poll_cancellations()
@@ -424,10 +433,10 @@ class LLMService:
                     sink.fail(item)
                 else:
                     sink.send(item)
-            except Exception:  # the client went away; stop generating for it
+            except Exception:  # the client went away: stop generating for it and end its stream as a cancel
                 logger.exception("sending a response for %s failed; aborting it", request_id)
                 if not finished:
-                    self.abort(request_id)
+                    self._end_stream(request_id, sink)
         if submitted is not None and not isinstance(item, str) and self.metrics is not None:
             self._finished.append(_finished_request(item, submitted, time.monotonic()))
 
@@ -443,14 +452,18 @@ class LLMService:
             sinks = list(self._sinks.items())
         for request_id, sink in sinks:
             if sink.is_cancelled():
-                with self._sinks_lock:
-                    self._sinks.pop(request_id, None)
-                    self._submitted.pop(request_id, None)
-                self.abort(request_id)
-                try:
-                    sink.close()
-                except Exception:  # the stream is gone either way
-                    logger.exception("ending the cancelled request %s failed", request_id)
+                self._end_stream(request_id, sink)
+
+    def _end_stream(self, request_id: str, sink: ResponseSink) -> None:
+        """Drop the request's sink, abort it and send its final flag alone (`sink.close`); nothing is sent after."""
+        with self._sinks_lock:
+            self._sinks.pop(request_id, None)
+            self._submitted.pop(request_id, None)
+        self.abort(request_id)
+        try:
+            sink.close()
+        except Exception:  # the stream is gone either way
+            logger.exception("ending the request %s failed", request_id)
 
     def stats(self) -> LLMStats:
         """A snapshot for the metrics, read from another thread than the loop's (plain attribute reads).
@@ -480,10 +493,25 @@ class LLMService:
             finished=finished,
         )
 
+    def heartbeat_time(self) -> float:
+        """Unix time (s) for the stage's heartbeat: now while both the engine loop and the response thread keep
+        iterating, else when the stuck one last began an iteration (so the heartbeat goes stale at once).
+
+        A loop counts as stuck after LOOP_STUCK_AFTER_S without a new iteration: well above the longest step
+        (a 1024-token CPU prefill takes seconds on a loaded 2-core machine), so a slow step is not a hang.
+        """
+        stalled = time.monotonic() - min(self._progress.values())
+        now = time.time()
+        if stalled < LOOP_STUCK_AFTER_S:
+            return now
+        stuck = min(self._progress, key=self._progress.get)
+        logger.error("the llm stage's %s has not iterated for %.0f s; its heartbeat stops", stuck, stalled)
+        return now - stalled
+
     def _metrics_loop(self) -> None:
         while not self._stopping.wait(self.metrics_interval_s):
             try:
-                self.metrics.publish(self.stats())
+                self.metrics.publish(self.stats(), now=self.heartbeat_time())
             except Exception:  # metrics must never take the stage down
                 logger.exception("publishing metrics failed")
 

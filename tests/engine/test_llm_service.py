@@ -10,7 +10,8 @@ from list_sink import ListSink
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.stages.llm import (LLMService, QueueFull, build_engine_on_a_passing_thread,
+from omni_backend.stages.llm import (LOOP_STUCK_AFTER_S, LLMService, QueueFull,
+                                     build_engine_on_a_passing_thread,
                                      engine_config_from_parameters,
                                      max_queued_requests_from_parameters, parent_server_probe, tritonserver_flags)
 
@@ -65,6 +66,22 @@ def test_a_slow_sender_gets_the_same_stream_in_fewer_larger_chunks(service, tiny
             sum(len(o.token_ids) for o in sink.outputs[:i + 1]) for i in range(len(sink.outputs))]
         assert sum(o.finished for o in sink.outputs) == 1 and sink.outputs[-1].finish_reason == "length"
     assert sum(len(sink.outputs) for sink in sinks) < 4 * 24  # some deltas carried several tokens
+
+
+def test_a_failed_send_aborts_the_request_and_ends_its_stream(service):
+    class BrokenSink(ListSink):
+        def send(self, output):
+            raise RuntimeError("the client is gone")
+
+    sink = BrokenSink()
+    service.submit("broken", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True, stream=True), sink)
+    assert sink.done.wait(10)
+    assert sink.closed == 1 and sink.outputs == [] and sink.errors == []
+    deadline = time.monotonic() + 10
+    while (service.num_active or service.engine.runner.block_manager.num_free_blocks != 64) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.num_active == 0 and service.engine.runner.block_manager.num_free_blocks == 64
 
 
 def test_cancellation_frees_blocks_and_ends_the_stream(service):
@@ -223,10 +240,13 @@ def test_a_probe_that_never_said_ready_aborts_nothing(tiny_qwen2_path):
     engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
                                     max_num_seqs=4, max_model_len=512))
     service = LLMService(engine, stopping=lambda: True, stop_grace_s=0.0)
+    sink = ListSink()
+    service.submit("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), sink)
+    # not started: the test plays the watch thread while the request is held, then lets the loop run
+    service.watch_for_stop()
+    assert service.stop_deadline is None
     service.start()
     try:
-        sink = ListSink()
-        service.submit("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), sink)
         assert sink.done.wait(30)
         assert (sink.outputs[-1].finish_reason, sink.outputs[-1].completion_tokens) == ("length", 40)
         assert service.stop_deadline is None
@@ -240,3 +260,15 @@ def test_the_stop_probe_reads_the_parent_tritonserver_command_line():
     assert flags == {"model-repository": "/m", "http-port": "8123", "exit-timeout-secs": "12", "log-verbose": "0"}
     import os
     assert parent_server_probe(os.getpid()) == (None, None)  # a python process is not a tritonserver
+
+
+def test_the_heartbeat_stops_when_a_loop_is_stuck_not_when_a_step_is_slow(tiny_qwen2_path):
+    service = LLMService(LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=16,
+                                                max_model_len=512)))
+    # not started: the test sets when each loop last began an iteration
+    before = time.time()
+    assert before <= service.heartbeat_time() <= time.time()
+    service._progress["response thread"] = time.monotonic() - LOOP_STUCK_AFTER_S / 2  # slow, not stuck
+    assert before <= service.heartbeat_time() <= time.time()
+    service._progress["engine loop"] = time.monotonic() - LOOP_STUCK_AFTER_S - 5  # stuck
+    assert time.time() - LOOP_STUCK_AFTER_S - 6 <= service.heartbeat_time() <= time.time() - LOOP_STUCK_AFTER_S - 5

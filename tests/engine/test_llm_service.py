@@ -26,20 +26,26 @@ def service(tiny_qwen2_path):
     svc.shutdown()
 
 
-def test_concurrent_streams_equal_offline_results(service, tiny_qwen2_path):
-    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stream=True)
-    offline = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+def _streams_equal_offline(service, model_path, prompts, params, sink_type=ListSink) -> list:
+    """Submit `prompts` to the running service, one sink each; assert every stream joins to the offline engine's
+    greedy result with one final output. Returns the sinks."""
+    offline = LLMEngine(EngineConfig(model_path=model_path, dtype="float32", num_kv_blocks=64,
                                      max_model_len=512)).generate(prompts, params)
-    sinks = [ListSink() for _ in prompts]
+    sinks = [sink_type() for _ in prompts]
     for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
-        service.submit(f"r{i}", prompt, params, sink)
+        service.submit(f"{sink_type.__name__}{i}", prompt, params, sink)
     for sink, expected in zip(sinks, offline):
         assert sink.done.wait(30)
         assert [t for o in sink.outputs for t in o.token_ids] == expected.token_ids
         assert "".join(o.text for o in sink.outputs) == expected.text
-        assert sink.outputs[-1].finish_reason == "length"
-        assert sum(o.finished for o in sink.outputs) == 1
+        assert sum(o.finished for o in sink.outputs) == 1 and sink.outputs[-1].finish_reason == "length"
+    return sinks
+
+
+def test_concurrent_streams_equal_offline_results(service, tiny_qwen2_path):
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)]
+    _streams_equal_offline(service, tiny_qwen2_path, prompts,
+                           SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stream=True))
 
 
 def test_a_slow_sender_gets_the_same_stream_in_fewer_larger_chunks(service, tiny_qwen2_path):
@@ -52,19 +58,12 @@ def test_a_slow_sender_gets_the_same_stream_in_fewer_larger_chunks(service, tiny
 
     prompts = [[100 + i, 200 + i, 300 + i] for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stream=True, logprobs=1)
-    offline = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
-                                     max_model_len=512)).generate(prompts, params)
-    sinks = [SlowSink() for _ in prompts]
-    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
-        service.submit(f"slow{i}", prompt, params, sink)
-    for sink, expected in zip(sinks, offline):
-        assert sink.done.wait(30)
-        assert [t for o in sink.outputs for t in o.token_ids] == expected.token_ids
-        assert "".join(o.text for o in sink.outputs) == expected.text
-        assert [lp.token_id for o in sink.outputs for lp in o.logprobs] == expected.token_ids
+    sinks = _streams_equal_offline(service, tiny_qwen2_path, prompts, params, SlowSink)
+    for sink in sinks:
+        assert [lp.token_id for o in sink.outputs for lp in o.logprobs] == [t for o in sink.outputs
+                                                                            for t in o.token_ids]
         assert [o.completion_tokens for o in sink.outputs] == [
             sum(len(o.token_ids) for o in sink.outputs[:i + 1]) for i in range(len(sink.outputs))]
-        assert sum(o.finished for o in sink.outputs) == 1 and sink.outputs[-1].finish_reason == "length"
     assert sum(len(sink.outputs) for sink in sinks) < 4 * 24  # some deltas carried several tokens
 
 

@@ -9,6 +9,11 @@ OpenAI API uses. Triton errors reach us two ways:
   status code), so `stream_error` classifies it by the llm stage's own wording: the stage answers bad requests
   with INVALID_ARG and a message naming the problem, faults with "llm failed: ..." or "engine step failed", and
   overload ("waiting queue is full ...", its bounded queue) with UNAVAILABLE, answered here as 429.
+
+Either way, Triton 2.51's error for a request to a stage whose Python stub process died ("Stub process
+'<model>_0_0' is not healthy.", gRPC INTERNAL on a unary call) is 503 + Retry-After (`stage_down`): the server's
+fault, but unavailability (the stage is down; this 2.51 build restarts no stub, see docs/architecture.md
+"A dead stage"), not the client's and not a bug to report as 500.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ _UNAVAILABLE = re.compile(
 )
 _FAULT = re.compile(r"^(llm|preprocess|postprocess) failed:|engine step failed", re.I)
 _CONTEXT = re.compile(r"maximum context length", re.I)
+# Triton 2.51 (python_backend) for a request to a model whose stub process died: "Stub process 'llm_0_0' is not
+# healthy." (decoupled llm: in the stream's error message; unary stages: gRPC INTERNAL with that message)
+STUB_DEAD = re.compile(r"Stub process '(?P<instance>[^']*)' is not healthy|stub process .*not healthy", re.I)
 
 
 class OpenAIError(Exception):
@@ -85,6 +93,15 @@ def unavailable(message: str) -> OpenAIError:
                        retry_after=retry_after_s(message) or RETRY_AFTER_S)
 
 
+def stage_down(message: str) -> OpenAIError:
+    """503 with Retry-After for Triton's "Stub process '<model>_<i>_<j>' is not healthy." (`message` holds it):
+    names the stage, keeps Triton's words."""
+    match = STUB_DEAD.search(message)
+    instance = match.group("instance") if match and match.group("instance") else ""
+    stage = f"the {re.sub(r'_[0-9]+_[0-9]+$', '', instance)} stage" if instance else "a pipeline stage"
+    return unavailable(f"{stage} is down (its process died): {message}")
+
+
 def overloaded(limit: int) -> OpenAIError:
     """429 with Retry-After: the front door's own limit on requests in flight."""
     return OpenAIError(429, f"too many requests in flight (limit {limit}); retry shortly", "rate_limit_error",
@@ -136,6 +153,8 @@ _KNOWN_FIELDS = {
 
 def stream_error(message: str, prompt_field: str) -> OpenAIError:
     """Classify an error that arrived on a gRPC stream (message only; see the module docstring)."""
+    if STUB_DEAD.search(message):
+        return stage_down(message)
     if _QUEUE_FULL.search(message):
         return queue_full(re.sub(r"^in ensemble '[^']*', ", "", message))
     if _UNAVAILABLE.search(message):
@@ -148,6 +167,8 @@ def stream_error(message: str, prompt_field: str) -> OpenAIError:
 def grpc_status_error(status: str | None, message: str, prompt_field: str) -> OpenAIError:
     """Map a unary call's gRPC status (as tritonclient spells it, "StatusCode.X") to an OpenAIError."""
     name = (status or "").rsplit(".", 1)[-1]
+    if STUB_DEAD.search(message):  # whatever the status (INTERNAL in 2.51): the stage's process died
+        return stage_down(message)
     if name == "INVALID_ARGUMENT":
         return client_error(message, prompt_field)
     if name in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):

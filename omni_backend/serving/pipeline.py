@@ -89,7 +89,6 @@ class Step:
 
 
 WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
-STUB_DEAD = "is not healthy"  # Triton 2.51's error for a request to a stage whose stub died: "Stub process '<m>' is not healthy."
 
 _UNARY_CALLS: set[asyncio.Task] = set()  # unary calls running on after their caller was cancelled
 
@@ -363,8 +362,6 @@ class TritonPipeline:
                 result, error = item
                 if error is not None:
                     finished = True  # the server ended this request itself
-                    if STUB_DEAD in error.message():  # the stage's stub process died before this request
-                        raise unavailable(f"the {info.llm.model} stage is down: {error.message()}")
                     raise stream_error(error.message(), prompt_field)
                 outputs = {}
                 for name, tensor in info.llm.outputs.items():

@@ -4,7 +4,12 @@
   does not say what to do instead; here it is a 400 that names the ways that work (gRPC streaming,
   `generate_stream`, the OpenAI endpoints).
 - `POST /v2/models/<m>/generate` answers an error with HTTP 200 when the model sends several responses (e.g.
-  `"stream": true`); here any `{"error": ...}` body gets 400.
+  `"stream": true`), and a decoupled model's error with 400 whatever it was (2.51 passes only its message on):
+  here a `{"error": ...}` body keeps Triton's shape but gets its status from the message, classified as the
+  OpenAI endpoints do (`errors.stream_error`): the llm stage's "waiting queue is full ... retry later" 429, a stage
+  that is unavailable, not admitting new requests or whose stub died ("Stub process ... is not healthy") 503,
+  both with Retry-After; a fault ("llm failed: ...", "engine step failed") 500; the rest 400 (see
+  `generate_error_status`).
 
 Everything else (health, metadata, config, generate, generate_stream, infer on other models) is forwarded as is.
 """
@@ -19,8 +24,30 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tritonclient.utils import InferenceServerException
 
+from omni_backend.serving import errors
+
 _MODEL_PATH = re.compile(r"^models/(?P<model>[^/]+)(/versions/[^/]+)?/(?P<action>infer|generate|generate_stream)$")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+def generate_error_status(upstream_status: int, message: str) -> tuple[int, dict[str, str]]:
+    """HTTP status and extra headers for an `{"error": message}` answer of Triton's `/generate`.
+
+    Args:
+        upstream_status: what Triton answered (200 when the model sent several responses, 400 for a decoupled
+            model's error, or its own status for errors of its own such as an unknown model).
+        message: the error body's message.
+
+    Returns:
+        429/503 with Retry-After for overload and an unavailable or dead stage, 500 for a fault, 400 for the
+        rest of what Triton answered with 200 or 400; any other status of Triton's (404, ...) is kept.
+    """
+    error = errors.stream_error(message, "text_input")
+    if error.status in (429, 503):
+        return error.status, error.headers()
+    if upstream_status in (200, 400):
+        return (500 if error.status == 500 else 400), {}
+    return upstream_status, {}
 
 
 class V2Proxy:
@@ -88,7 +115,7 @@ class V2Proxy:
         data = await upstream.read()
         upstream.release()
         status = upstream.status
-        if match and match["action"] == "generate" and status == 200:
+        if match and match["action"] == "generate":
             try:
                 parsed = json.loads(data)
             except ValueError:
@@ -97,5 +124,6 @@ class V2Proxy:
                 if "exactly 1 response" in str(parsed["error"]):
                     parsed["error"] = (f"{parsed['error']}: POST /v2/models/{match['model']}/generate_stream "
                                        "sends each response as a server-sent event")
-                return JSONResponse(status_code=400, content=parsed)
+                status, extra = generate_error_status(status, str(parsed["error"]))
+                return JSONResponse(status_code=status, content=parsed, headers=extra)
         return Response(content=data, status_code=status, headers=passed)

@@ -1,4 +1,5 @@
-"""Stage death (case c19): the llm stage's stub process is killed while requests are in flight.
+"""Stage death (case c19): the llm stage's stub process is killed while requests are in flight (and a unary
+stage's, preprocess: `test_killed_preprocess_stub_is_503_and_stays_down`).
 
 What Triton 2.51 does by itself (seen here): nothing visible. `/v2/health/ready` and `/v2/models/llm/ready` stay
 200, the streams the stub was serving are never ended, the stub is not restarted (python_backend has no restart
@@ -20,10 +21,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from email.message import Message
 
 import numpy as np
 import psutil
+import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 from front_door import MODEL, FrontDoorThread, front_door_config
 
 from omni_backend.ops.metrics import HEARTBEAT, STALE_AFTER_S, parse_metrics
@@ -34,12 +38,50 @@ LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long
         "ignore_eos": True}
 
 
+def stage_stub(server, model: str) -> psutil.Process:
+    """`model`'s triton_python_backend_stub process (a child of tritonserver)."""
+    stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+             if _alive(p) and "triton_python_backend_stub" in " ".join(p.cmdline()[:1])
+             and f"/{model}/" in " ".join(p.cmdline())]
+    assert len(stubs) == 1, f"expected one {model} stub, found {[p.cmdline()[:2] for p in stubs]}"
+    return stubs[0]
+
+
 def llm_stub(server) -> psutil.Process:
     """The llm model's triton_python_backend_stub process (a child of tritonserver)."""
-    stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
-             if "triton_python_backend_stub" in " ".join(p.cmdline()[:1]) and "/llm/" in " ".join(p.cmdline())]
-    assert len(stubs) == 1, f"expected one llm stub, found {[p.cmdline()[:2] for p in stubs]}"
-    return stubs[0]
+    return stage_stub(server, "llm")
+
+
+def kill(stub: psutil.Process) -> float:
+    """SIGKILL `stub` and wait until it is gone (or a zombie: tritonserver may not reap it).
+
+    Returns:
+        `time.monotonic()` when the signal was sent.
+    """
+    stub.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    while _alive(stub):
+        assert time.monotonic() - killed < 10, "the stub outlived SIGKILL"
+        time.sleep(0.05)
+    return killed
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def http_answer(url: str, body: dict, timeout_s: float) -> tuple[int, Message, dict]:
+    """POST `body`: (status, headers, JSON body); a read past `timeout_s` raises (a hang fails the test)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.headers, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read() or b"{}")
 
 
 def http_status(url: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, dict]:
@@ -105,12 +147,7 @@ def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_serve
             kind, data = events.get(timeout=30)
             assert kind == "event" and "error" not in json.loads(data)
 
-        stub = llm_stub(server)
-        stub.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        while stub.is_running() and stub.status() != psutil.STATUS_ZOMBIE:  # tritonserver may not reap it
-            assert time.monotonic() - killed < 10, "the llm stub outlived SIGKILL"
-            time.sleep(0.05)
+        killed = kill(llm_stub(server))
 
         # readiness: the front door's /health and the k8s probe turn false within READY_WITHIN_S
         flipped = {}
@@ -169,5 +206,55 @@ def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_serve
         assert http_status(f"http://{server.http_url}/v2/health/live")[0] == 200
         assert server.process.poll() is None
         print(f"readiness false after {flipped}; in-flight requests ended {ended_s:.1f} s after the kill")
+    finally:
+        door.stop()
+
+
+def test_killed_preprocess_stub_is_503_and_stays_down(make_chat_server):
+    """A unary (non-decoupled) stage's stub dies. Measured on this Triton 2.51 (PyTriton 0.7.0's build, whose
+    python_backend has no restart code: no "will be restarted" in libtriton_python.so): the stub is not restarted,
+    and every request to the stage fails after about 1 s (python_backend's health-mutex timeout) with gRPC
+    INTERNAL "Stub process 'preprocess_0_0' is not healthy.". The front door answers each 503 + Retry-After,
+    never 500 and never a hang."""
+    server = make_chat_server()
+    door = FrontDoorThread(front_door_config(server)).start()
+    chat = door.url + "/v1/chat/completions"
+    short = {**LONG, "max_tokens": 4, "ignore_eos": False, "temperature": 0.0}
+    try:
+        status, _, body = http_answer(chat, short, 60.0)
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+        kill(stage_stub(server, "preprocess"))
+
+        answers = []  # (status, seconds) of each front-door request after the kill
+        for _ in range(5):
+            started = time.monotonic()
+            status, headers, body = http_answer(chat, short, 30.0)  # a hang raises
+            answers.append((status, round(time.monotonic() - started, 2)))
+            assert status == 503, (answers, body)  # never a 500: a dead stage is unavailable, not a bug
+            assert headers.get("Retry-After") == "1", dict(headers)
+            message = body["error"]["message"]
+            assert message.startswith("the preprocess stage is down") and "not healthy" in message, message
+            assert time.monotonic() - started < 5, answers
+            time.sleep(0.5)
+
+        # what Triton itself answers a unary call to the dead stage (what the front door maps)
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            text = grpcclient.InferInput("text_input", [1], "BYTES")
+            text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+            limit = grpcclient.InferInput("max_tokens", [1], "INT32")
+            limit.set_data_from_numpy(np.array([4], dtype=np.int32))
+            with pytest.raises(InferenceServerException) as excinfo:
+                client.infer("preprocess", [text, limit], client_timeout=30)
+            model_ready = client.is_model_ready("preprocess")
+        raised = excinfo.value
+        print(f"front door after the preprocess stub was killed: {answers}; Triton: {raised.status()} "
+              f"{raised.message()!r}, preprocess ready {model_ready}; /health {http_status(door.url + '/health')}; "
+              f"probe {check(server.http_url, server.metrics_url)}")
+        assert raised.status() == "StatusCode.INTERNAL"
+        assert "Stub process 'preprocess_0_0' is not healthy" in raised.message()
+        # no restart: no preprocess stub process comes back
+        stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                 if _alive(p) and "/preprocess/" in " ".join(p.cmdline())]
+        assert not stubs, [p.pid for p in stubs]
     finally:
         door.stop()

@@ -1,10 +1,14 @@
 """Front door pieces without a server: request validation, error classification, settings, token-id prompts."""
 
+import asyncio
+import json
+
 import numpy as np
 import pytest
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.config import ServingConfig
+from omni_backend.serving.v2_proxy import V2Proxy
 
 
 def test_schema_errors_name_the_field():
@@ -71,6 +75,74 @@ def test_grpc_statuses_map_to_http():
     unavailable = errors.grpc_status_error("StatusCode.UNAVAILABLE", "down", "prompt")
     assert unavailable.status == 503 and unavailable.headers() == {"Retry-After": "1"}
     assert errors.grpc_status_error("StatusCode.INTERNAL", "preprocess failed: x", "prompt").status == 500
+
+
+def test_dead_stub_is_503_for_streams_and_unary_calls():
+    """Triton 2.51's "Stub process '<m>_0_0' is not healthy." is a stage that died: 503 + Retry-After, not a
+    client error (stream) nor a 500 (unary calls get it as gRPC INTERNAL)."""
+    unary = errors.grpc_status_error(
+        "StatusCode.INTERNAL", "Failed to process the request(s) for model instance 'preprocess_0_0', message: "
+        "Stub process 'preprocess_0_0' is not healthy.", "messages")
+    assert (unary.status, unary.code, unary.headers()) == (503, "service_unavailable", {"Retry-After": "1"})
+    assert unary.message.startswith("the preprocess stage is down")
+    streamed = errors.stream_error("in ensemble 'omni_chat', Stub process 'llm_0_0' is not healthy.", "prompt")
+    assert (streamed.status, streamed.headers()) == (503, {"Retry-After": "1"})
+    assert streamed.message.startswith("the llm stage is down")
+
+
+class _FakeUpstream:
+    def __init__(self, status: int, body: dict):
+        self.status, self.headers, self._data = status, {"Content-Type": "application/json"}, json.dumps(body).encode()
+
+    async def read(self) -> bytes:
+        return self._data
+
+    def release(self) -> None:
+        pass
+
+
+class _FakeDoor:
+    def __init__(self, upstream: _FakeUpstream):
+        self.upstream = upstream
+
+    def http(self):
+        door = self
+
+        class Session:
+            async def request(self, *args, **kwargs):
+                return door.upstream
+        return Session()
+
+
+class _FakeRequest:
+    method, headers, query_params = "POST", {"content-type": "application/json"}, {}
+
+    async def body(self) -> bytes:
+        return b'{"text_input": "hi"}'
+
+
+@pytest.mark.parametrize("upstream_status,message,status,retry_after", [
+    (400, "waiting queue is full: the llm stage holds 4 requests (max_num_seqs 2 running + max_queued_requests 2 "
+          "waiting); retry later", 429, "1"),
+    (200, "in ensemble 'omni_chat', waiting queue is full: the llm stage holds 4 requests; retry later", 429, "1"),
+    (400, "not admitting new requests: GPU temperature 95 C is at or above the critical 90 C; retry after 30 s",
+     503, "30"),
+    (400, "Stub process 'llm_0_0' is not healthy.", 503, "1"),
+    (400, "server is shutting down", 503, "1"),
+    (400, "engine step failed (see server log)", 500, None),
+    (400, "maximum context length is 8 tokens, you requested 9", 400, None),
+    (200, "expected exactly 1 response, got 2", 400, None),
+    (404, "Request for unknown model: 'nope' is not found", 404, None),
+])
+def test_v2_generate_errors_get_the_status_their_message_means(upstream_status, message, status, retry_after):
+    """/v2/.../generate through the front door: Triton 2.51 answers a decoupled model's every error 400 (or 200);
+    the proxy classifies it like the OpenAI endpoints and keeps Triton's body shape {"error": "..."}."""
+    proxy = V2Proxy(ServingConfig(), _FakeDoor(_FakeUpstream(upstream_status, {"error": message})))
+    response = asyncio.run(proxy.forward("models/llm/generate", _FakeRequest()))
+    assert response.status_code == status
+    assert response.headers.get("retry-after") == retry_after
+    body = json.loads(response.body)
+    assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"].startswith(message)
 
 
 def test_settings_from_environment():

@@ -350,6 +350,9 @@ def create_app(config: ServingConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        down = {stage: message for p in door.pipelines.values() for stage, message in p.down_stages.items()}
+        if down:  # a unary stage's stub died (Triton keeps it READY and restarts no stub): pipeline.down_stages
+            raise errors.unavailable("stage process dead: " + "; ".join(f"{s}: {m}" for s, m in sorted(down.items())))
         ready = all([await p.ready() for p in door.pipelines.values()])
         if not ready:
             raise errors.unavailable("Triton or a served model is not ready")

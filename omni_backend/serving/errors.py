@@ -93,12 +93,20 @@ def unavailable(message: str) -> OpenAIError:
                        retry_after=retry_after_s(message) or RETRY_AFTER_S)
 
 
+def dead_stage(message: str) -> str | None:
+    """The model whose stub died when `message` is Triton's "Stub process '<model>_<i>_<j>' is not healthy."
+    ("" when it names none), else None."""
+    match = STUB_DEAD.search(message)
+    if match is None:
+        return None
+    return re.sub(r"_[0-9]+_[0-9]+$", "", match.group("instance") or "")
+
+
 def stage_down(message: str) -> OpenAIError:
     """503 with Retry-After for Triton's "Stub process '<model>_<i>_<j>' is not healthy." (`message` holds it):
     names the stage, keeps Triton's words."""
-    match = STUB_DEAD.search(message)
-    instance = match.group("instance") if match and match.group("instance") else ""
-    stage = f"the {re.sub(r'_[0-9]+_[0-9]+$', '', instance)} stage" if instance else "a pipeline stage"
+    model = dead_stage(message)
+    stage = f"the {model} stage" if model else "a pipeline stage"
     return unavailable(f"{stage} is down (its process died): {message}")
 
 

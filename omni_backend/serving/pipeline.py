@@ -28,8 +28,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from omni_backend.serving.errors import (TENSOR_FIELDS, OpenAIError, grpc_status_error, internal, invalid,
-                                         stream_error, unavailable)
+from omni_backend.serving.errors import (TENSOR_FIELDS, OpenAIError, dead_stage, grpc_status_error, internal,
+                                         invalid, stream_error, unavailable)
 
 
 @dataclass
@@ -184,6 +184,10 @@ class TritonPipeline:
         self._client: aio.InferenceServerClient | None = None
         self._info: PipelineInfo | None = None
         self._lock = asyncio.Lock()
+        # unary stages whose last call found their stub dead (Triton's message): `ready()` is False while any is
+        # here. This Triton build restarts no stub and keeps the model READY, and these stages publish no
+        # heartbeat, so a failed call is the only sign; a later successful call to the stage clears it.
+        self.down_stages: dict[str, str] = {}
 
     @property
     def client(self) -> aio.InferenceServerClient:
@@ -197,7 +201,9 @@ class TritonPipeline:
             self._client = None
 
     async def ready(self) -> bool:
-        """True when Triton answers and the ensemble is ready."""
+        """True when Triton answers, the ensemble is ready and no unary stage was found dead (`down_stages`)."""
+        if self.down_stages:
+            return False
         try:
             return bool(await self.client.is_server_ready() and await self.client.is_model_ready(self.model))
         except (InferenceServerException, grpc.RpcError, OSError):
@@ -275,7 +281,8 @@ class TritonPipeline:
         try:
             result = await infer_to_completion(self.client, info.preprocess.model, inputs, request_id=request_id)
         except InferenceServerException as exc:
-            raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
+            raise self._unary_error(info.preprocess.model, exc, prompt_field) from None
+        self.down_stages.pop(info.preprocess.model, None)
         tensors = {name: result.as_numpy(name) for name in info.preprocess.outputs}
         ids = result.as_numpy("input_ids")
         prompt_tokens = int(ids.size) if ids is not None else 0
@@ -313,7 +320,9 @@ class TritonPipeline:
         try:
             results = await asyncio.gather(*calls)
         except InferenceServerException as exc:
-            raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
+            raise self._unary_error("encoder", exc, prompt_field) from None
+        for part in parts:
+            self.down_stages.pop(MEDIA_ENCODERS[part["kind"]][0], None)
         embeds = [r.as_numpy("embeddings")[0, :part["tokens"]] for r, part in zip(results, parts)]
         embeds = np.ascontiguousarray(np.concatenate(embeds), dtype=np.float32)
         if embeds.shape[0] != positions.size:
@@ -424,8 +433,16 @@ class TritonPipeline:
         try:
             result = await infer_to_completion(self.client, step.model, inputs, request_id=request_id)
         except InferenceServerException as exc:
-            raise grpc_status_error(exc.status(), exc.message(), prompt_field) from None
+            raise self._unary_error(step.model, exc, prompt_field) from None
+        self.down_stages.pop(step.model, None)
         return {tensor: result.as_numpy(name) for name, tensor in step.outputs.items()}
+
+    def _unary_error(self, model: str, exc: InferenceServerException, prompt_field: str) -> OpenAIError:
+        """`grpc_status_error` for a unary stage's failure; a dead stub also marks its stage down (see __init__)."""
+        stage = dead_stage(exc.message())
+        if stage is not None:
+            self.down_stages[stage or model] = exc.message()
+        return grpc_status_error(exc.status(), exc.message(), prompt_field)
 
     @staticmethod
     def _step(outputs: dict) -> Step:

@@ -214,8 +214,8 @@ def test_killed_preprocess_stub_is_503_and_stays_down(make_chat_server):
     """A unary (non-decoupled) stage's stub dies. Measured on this Triton 2.51 (PyTriton 0.7.0's build, whose
     python_backend has no restart code: no "will be restarted" in libtriton_python.so): the stub is not restarted,
     and every request to the stage fails after about 1 s (python_backend's health-mutex timeout) with gRPC
-    INTERNAL "Stub process 'preprocess_0_0' is not healthy.". The front door answers each 503 + Retry-After,
-    never 500 and never a hang."""
+    INTERNAL "Stub process 'preprocess_0_0' is not healthy.", and Triton keeps the model READY. The front door
+    answers each 503 + Retry-After, never 500 and never a hang, and its /health turns 503 (pipeline.down_stages)."""
     server = make_chat_server()
     door = FrontDoorThread(front_door_config(server)).start()
     chat = door.url + "/v1/chat/completions"
@@ -252,6 +252,9 @@ def test_killed_preprocess_stub_is_503_and_stays_down(make_chat_server):
               f"probe {check(server.http_url, server.metrics_url)}")
         assert raised.status() == "StatusCode.INTERNAL"
         assert "Stub process 'preprocess_0_0' is not healthy" in raised.message()
+        # the front door marks itself unready after the first such answer (Triton and the probe do not notice)
+        status, body = http_status(door.url + "/health")
+        assert status == 503 and "stage process dead: preprocess" in body["error"]["message"], body
         # no restart: no preprocess stub process comes back
         stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
                  if _alive(p) and "/preprocess/" in " ".join(p.cmdline())]

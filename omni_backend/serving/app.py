@@ -77,6 +77,19 @@ class FrontDoor:
             raise errors.model_not_found(model)
         return self.pipelines[model]
 
+    def check_model(self, body: dict, own_names: tuple[str, ...]) -> None:
+        """Check the model asked of an endpoint with its own model names (speech, images).
+
+        Raises:
+            OpenAIError: 400 when `model` is missing or not a string; 404 model_not_found when it is neither one
+                of `own_names` nor a served pipeline (the same answer as on every other endpoint).
+        """
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise errors.invalid("'model' is a required property", "model")
+        if model not in own_names:
+            self.pipeline_for(body)
+
     @asynccontextmanager
     async def admitted(self):
         """Hold one of `max_concurrent_requests` slots (429 with Retry-After when none is free)."""

@@ -17,13 +17,12 @@ import math
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aio
 from fastapi import APIRouter, Request
 from tritonclient.utils import InferenceServerException
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.errors import invalid
-from omni_backend.serving.pipeline import infer_to_completion, numeric_array
+from omni_backend.serving.pipeline import TritonGrpcUser, infer_to_completion, numeric_array
 from omni_backend.stages.diffusion import ImageLimits, format_size, parse_size
 
 ENSEMBLE = "text2image"
@@ -34,24 +33,12 @@ _STAGE_FIELDS = {"prompt": "prompt", "negative_prompt": "negative_prompt", "size
                  "guidance_scale": "guidance_scale", "seed": "seed"}
 
 
-class ImageBackend:
+class ImageBackend(TritonGrpcUser):
     """The text2image ensemble over gRPC, with the diffusion stage's limits read from its config."""
 
     def __init__(self, grpc_url: str):
-        self.grpc_url = grpc_url
-        self._client: aio.InferenceServerClient | None = None
+        super().__init__(grpc_url)
         self._limits: ImageLimits | None = None
-
-    @property
-    def client(self) -> aio.InferenceServerClient:
-        if self._client is None:
-            self._client = aio.InferenceServerClient(self.grpc_url)
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
 
     async def limits(self) -> ImageLimits:
         if self._limits is None:
@@ -120,11 +107,7 @@ def register(router: APIRouter, door) -> None:
         from omni_backend.serving.app import read_json
 
         body = await read_json(request, door.config.max_body_bytes)
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise invalid("'model' is a required property", "model")
-        if model not in IMAGE_MODEL_NAMES:
-            door.pipeline_for(body)  # 404 model_not_found unless it is a served model
+        door.check_model(body, IMAGE_MODEL_NAMES)
         prompt = errors.required_text(body, "prompt")
         limits = await backend.limits()
         size = body.get("size")

@@ -168,7 +168,27 @@ def numeric_array(items: list, datatype: str, field: str) -> np.ndarray:
     return np.array(items, dtype=dtype)
 
 
-class TritonPipeline:
+class TritonGrpcUser:
+    """Holds an asyncio Triton gRPC client for `grpc_url`, made on first use: inside the serving event loop, to
+    which tritonclient's aio client binds. `close` closes it (a later use makes a new one)."""
+
+    def __init__(self, grpc_url: str):
+        self.grpc_url = grpc_url
+        self._client: aio.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> aio.InferenceServerClient:
+        if self._client is None:
+            self._client = aio.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+class TritonPipeline(TritonGrpcUser):
     """One served model: an ensemble of preprocess -> decoupled llm -> postprocess on a Triton server.
 
     Args:
@@ -179,26 +199,15 @@ class TritonPipeline:
     """
 
     def __init__(self, grpc_url: str, model: str = "omni_chat", watch=None):
-        self.grpc_url, self.model = grpc_url, model
+        super().__init__(grpc_url)
+        self.model = model
         self.watch = watch  # a serving.metrics.StageWatch: ends streams of a stage that died (None: no watch)
-        self._client: aio.InferenceServerClient | None = None
         self._info: PipelineInfo | None = None
         self._lock = asyncio.Lock()
         # unary stages whose last call found their stub dead (Triton's message): `ready()` is False while any is
         # here. This Triton build restarts no stub and keeps the model READY, and these stages publish no
         # heartbeat, so a failed call is the only sign; a later successful call to the stage clears it.
         self.down_stages: dict[str, str] = {}
-
-    @property
-    def client(self) -> aio.InferenceServerClient:
-        if self._client is None:  # created on first use, inside the serving event loop
-            self._client = aio.InferenceServerClient(self.grpc_url)
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
 
     async def ready(self) -> bool:
         """True when Triton answers, the ensemble is ready and no unary stage was found dead (`down_stages`)."""
@@ -460,4 +469,4 @@ class TritonPipeline:
         )
 
 
-__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonPipeline", "infer_to_completion"]
+__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonGrpcUser", "TritonPipeline", "infer_to_completion"]

@@ -24,13 +24,13 @@ from typing import AsyncIterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sse_starlette import ServerSentEvent
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.errors import OpenAIError, invalid
+from omni_backend.serving.pipeline import TritonGrpcUser
 from omni_backend.serving.sse import ReleasingEventSourceResponse
 from omni_backend.stages import tts_audio
 from omni_backend.stages.tts_options import SpeechOptions, check_speed, resolve_voice
@@ -44,23 +44,12 @@ AUDIO_EXPIRY_S = 3600
 CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI name -> ours
 
 
-class SpeechBackend:
+class SpeechBackend(TritonGrpcUser):
     """The tts stage over gRPC: text in, (text, samples, sample rate) per phrase out."""
 
     def __init__(self, grpc_url: str, model: str = TTS_MODEL):
-        self.grpc_url, self.model = grpc_url, model
-        self._client: aio.InferenceServerClient | None = None
-
-    @property
-    def client(self) -> aio.InferenceServerClient:
-        if self._client is None:  # made inside the serving event loop
-            self._client = aio.InferenceServerClient(self.grpc_url)
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        super().__init__(grpc_url)
+        self.model = model
 
     async def phrases(self, text: str, options: SpeechOptions, field: str = "input",
                       request_id: str = "") -> AsyncIterator[tuple[str, np.ndarray, int]]:
@@ -160,11 +149,7 @@ def register(router: APIRouter, door) -> None:
         from omni_backend.serving.app import read_json
 
         body = await read_json(request, door.config.max_body_bytes)
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise invalid("'model' is a required property", "model")
-        if model not in SPEECH_MODEL_NAMES:
-            door.pipeline_for(body)  # 404 model_not_found unless it is a served model
+        door.check_model(body, SPEECH_MODEL_NAMES)
         text = errors.required_text(body, "input")
         if len(text) > MAX_INPUT_CHARS:
             raise invalid(f"input is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input")

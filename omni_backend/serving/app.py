@@ -149,6 +149,40 @@ async def read_json(request: Request, limit: int) -> dict:
     return body
 
 
+async def run_admitted(door, request: Request, generation, start, stream_events=None, collect=None):
+    """Run `generation` holding one of the front door's admission slots (429 when none is free).
+
+    Awaits `start()` and then either streams `stream_events` (an async iterator of SSE events; the generation is
+    closed and the slot freed however the stream ends) or awaits `collect()` and returns its result (`start` and
+    `collect`: functions returning coroutines, called only once the slot is held). Until then a client that leaves ends the work and gets a 499 response; any error
+    closes the generation and frees the slot before it propagates.
+
+    Returns:
+        the SSE Response, a 499 Response, or what `collect` returned.
+    """
+    admission = door.admitted()
+    await admission.__aenter__()
+
+    async def release() -> None:
+        await generation.close()
+        await admission.__aexit__(None, None, None)
+
+    try:
+        await until_disconnect(request, start())
+        if stream_events is not None:
+            return ReleasingEventSourceResponse(stream_events, release=release, ping=15, sep="\n",
+                                                shutdown_grace_s=door.config.graceful_shutdown_s)
+        result = await until_disconnect(request, collect())
+    except ClientGone:
+        await release()
+        return Response(status_code=499)
+    except BaseException:
+        await release()
+        raise
+    await admission.__aexit__(None, None, None)
+    return result
+
+
 async def until_disconnect(request: Request, work):
     """Await `work` (a coroutine) unless the client disconnects first; then cancel it and raise ClientGone."""
     task = asyncio.ensure_future(work)
@@ -448,30 +482,18 @@ def create_app(config: ServingConfig) -> FastAPI:
         started = time.monotonic()
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         request_id = protocol.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        admission = door.admitted()
-        await admission.__aenter__()
         generation = Generation(door, pipeline, request_id, prompt_field)
-        try:
-            await until_disconnect(request, generation.start(prompts, req.n, max_tokens, req.seed))
-            door.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-            if req.stream:
-                async def release() -> None:
-                    await generation.close()
-                    await admission.__aexit__(None, None, None)
 
-                events = stream_events(kind, req, generation, request_id)
-                return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n",
-                                                    shutdown_grace_s=config.graceful_shutdown_s)
-            results = await until_disconnect(request, collect(generation))
-        except ClientGone:
-            await admission.__aexit__(None, None, None)
-            await generation.close()
-            return Response(status_code=499)
-        except BaseException:
-            await admission.__aexit__(None, None, None)
-            await generation.close()
-            raise
-        await admission.__aexit__(None, None, None)
+        async def start() -> None:
+            await generation.start(prompts, req.n, max_tokens, req.seed)
+            door.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
+
+        if req.stream:
+            return await run_admitted(door, request, generation, start,
+                                      stream_events=stream_events(kind, req, generation, request_id))
+        results = await run_admitted(door, request, generation, start, collect=lambda: collect(generation))
+        if isinstance(results, Response):
+            return results
         usage = total_usage(generation, results, req.n)
         door.metrics.prompt_tokens.inc(usage["prompt_tokens"])
         door.metrics.completion_tokens.inc(usage["completion_tokens"])

@@ -31,7 +31,6 @@ from sse_starlette import ServerSentEvent
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.errors import OpenAIError, invalid
 from omni_backend.serving.pipeline import TritonGrpcUser
-from omni_backend.serving.sse import ReleasingEventSourceResponse
 from omni_backend.stages import tts_audio
 from omni_backend.stages.tts_options import SpeechOptions, check_speed, resolve_voice
 from omni_backend.stages.tts_text import SentenceChunker
@@ -214,7 +213,7 @@ def _streaming_wav_header(rate: int) -> bytes:
 
 async def chat_with_audio(request: Request, door, body: dict, pipeline):
     """Serve a chat completion whose `modalities` include "audio" (see the module docstring)."""
-    from omni_backend.serving.app import SYSTEM_FINGERPRINT, ClientGone, Generation, until_disconnect
+    from omni_backend.serving.app import SYSTEM_FINGERPRINT, Generation, run_admitted
 
     modalities = body.get("modalities") or ["text", "audio"]
     if (not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities)
@@ -240,29 +239,18 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
     audio_id = protocol.new_id("audio")
     backend: SpeechBackend = door.speech
 
-    admission = door.admitted()
-    await admission.__aenter__()
     generation = Generation(door, pipeline, request_id, "messages")
-    try:
-        await until_disconnect(request, generation.start([values], 1, req.completion_limit, req.seed))
-        if req.stream:
-            events = _stream_events(req, generation, backend, options, request_id, audio_id, SYSTEM_FINGERPRINT)
-            async def release() -> None:
-                await generation.close()
-                await admission.__aexit__(None, None, None)
+    def start():
+        return generation.start([values], 1, req.completion_limit, req.seed)
 
-            return ReleasingEventSourceResponse(events, release=release, ping=15, sep="\n",
-                                                shutdown_grace_s=door.config.graceful_shutdown_s)
-        text, samples, rate, last = await until_disconnect(request, _collect(generation, backend, options))
-    except ClientGone:
-        await admission.__aexit__(None, None, None)
-        await generation.close()
-        return Response(status_code=499)
-    except BaseException:
-        await admission.__aexit__(None, None, None)
-        await generation.close()
-        raise
-    await admission.__aexit__(None, None, None)
+    if req.stream:
+        events = _stream_events(req, generation, backend, options, request_id, audio_id, SYSTEM_FINGERPRINT)
+        return await run_admitted(door, request, generation, start, stream_events=events)
+    collected = await run_admitted(door, request, generation, start,
+                                   collect=lambda: _collect(generation, backend, options))
+    if isinstance(collected, Response):
+        return collected
+    text, samples, rate, last = collected
     data = tts_audio.encode(samples, rate, audio_format)
     message = {"role": "assistant", "content": None, "refusal": None,
                "audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii"),

@@ -357,11 +357,12 @@ class LLMService:
                 logger.exception("the stop watch failed")
 
     def watch_for_stop(self) -> None:
-        """One look of the watch thread: while requests are held, ask `stopping`; `stop_grace_s` after it first
-        says the server is stopping (having said it is not, once), abort every request still held (each ends
-        with finish reason "abort"). Its own thread: a slow probe never holds up responses."""
+        """One look of the watch thread: while requests are held (and, until the server has once said it is not
+        stopping, also while idle), ask `stopping`; `stop_grace_s` after it first says the server is stopping
+        (having said it is not, once), abort every request still held (each ends with finish reason "abort").
+        Its own thread: a slow probe never holds up responses."""
         now = time.monotonic()
-        if not self.num_active:
+        if not self.num_active and self._seen_ready:
             return
         if self.stop_deadline is None or now < self.stop_deadline:  # during the grace too: a false alarm clears
             try:

@@ -29,6 +29,7 @@ from llm_stream import LLMStream, llm_inputs
 from tritonclient.utils import InferenceServerException
 
 from omni_backend.serving.process import FrontDoorProcess
+from omni_backend.stages.llm import STOP_POLL_INTERVAL_S
 
 PROMPT = "Tell me a story about a dragon."
 MAX_TOKENS = 24
@@ -189,6 +190,9 @@ def test_requests_still_running_at_the_exit_timeout_are_aborted_and_the_server_e
     while any(stream.events.empty() for stream in streams) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(stream.events.empty() for stream in streams)
+    # the stage's watch looks every STOP_POLL_INTERVAL_S and acts only once it has seen the server serving: a
+    # first token can come sooner than its first look after start
+    time.sleep(2 * STOP_POLL_INTERVAL_S)
     sigterm_at = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     with ThreadPoolExecutor(len(streams)) as pool:

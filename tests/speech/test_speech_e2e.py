@@ -28,17 +28,22 @@ STORY_PROMPT = "Tell me a short story about a cat."
 
 @pytest.mark.parametrize("sentence", GATE_SENTENCES)
 def test_speech_quality_gate(front_door, sentence, record_property):
-    status, headers, data = post(front_door.url + "/v1/audio/speech",
-                                 {"model": "tts-1", "input": sentence, "voice": "alloy", "response_format": "wav"})
-    assert status == 200, data
-    assert headers["content-type"] == "audio/wav"
-    samples, rate = tts_audio.decode_wav(data)
-    assert rate == 22050 and samples.size > rate  # more than a second of speech
-    heard = transcribe(samples, rate)
-    recall = word_recall(sentence, heard)
-    record_property("transcript", heard)
+    # VITS samples its noise, so each synthesis differs: the gate is the mean word recall over 3 (one clean-clone
+    # run heard "the court around fox chunks over the lazy dog" once, 0.67, where other syntheses score 0.89-1.0)
+    heard, recalls = [], []
+    for _ in range(3):
+        status, headers, data = post(front_door.url + "/v1/audio/speech",
+                                     {"model": "tts-1", "input": sentence, "voice": "alloy", "response_format": "wav"})
+        assert status == 200, data
+        assert headers["content-type"] == "audio/wav"
+        samples, rate = tts_audio.decode_wav(data)
+        assert rate == 22050 and samples.size > rate  # more than a second of speech
+        heard.append(transcribe(samples, rate))
+        recalls.append(word_recall(sentence, heard[-1]))
+    recall = sum(recalls) / len(recalls)
+    record_property("transcripts", heard)
     record_property("word_recall", recall)
-    print(f"recall {recall:.2f}: {sentence!r} -> {heard!r}")
+    print(f"mean recall {recall:.2f}: {sentence!r} -> {heard!r}")
     assert recall >= 0.8, heard
 
 

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from omni_backend import paths
-from omni_backend.ops.malloc import MALLOC_TUNABLES
+from omni_backend.ops.memory_env import memory_environment
 from omni_backend.setup import runtime as runtime_layout
 
 
@@ -120,7 +120,8 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([library_path, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
         env.setdefault("HF_HUB_OFFLINE", "1")  # stages load local checkpoints only
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)  # see omni_backend/ops/malloc.py
+        for name, value in memory_environment().items():  # see omni_backend/ops/memory_env.py
+            env.setdefault(name, value)
         for name, value in self.env_changes.items():
             if value is None:
                 env.pop(name, None)

@@ -4,6 +4,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-# keep freed memory in-process: page faults are very slow on this VM (omni_backend/ops/malloc.py)
-export GLIBC_TUNABLES="${GLIBC_TUNABLES:-$("$ROOT/.venv/bin/python" -m omni_backend.ops.malloc)}"
+# keep freed memory in-process and bound oneDNN's caches, as the server does (omni_backend/ops/memory_env.py)
+eval "$("$ROOT/.venv/bin/python" -m omni_backend.ops.memory_env)"
 HF_HUB_OFFLINE=1 exec "$ROOT/.venv/bin/python" -m pytest tests "$@"

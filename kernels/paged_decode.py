@@ -25,6 +25,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -365,28 +366,27 @@ def paged_decode_attention_reference(
     ``gather``: :func:`kernels._paged.kv_gather` of ``(block_tables, context_lens, max(context_lens))``,
     which is the same for every layer of a step: the torch attention backend computes it once per step.
 
-    Vectorised over the batch: gathers K/V up to ``max(context_lens)`` (one device sync) heads first,
-    so both matmuls read them without a copy. Precision follows the kernel: scores and softmax in fp32,
-    then probabilities cast to the cache dtype for ``P @ V`` (the kernel's ``tl.dot(p.to(v.dtype), v)``;
-    torch's CPU matmuls accumulate low-precision operands in fp32 as ``tl.dot`` does), the result cast to
-    query's dtype. ``num_splits`` and ``workspace`` are validated but otherwise ignored.
+    Vectorised over the batch: gathers K/V up to ``max(context_lens)`` (one device sync) heads first, then
+    runs torch's fused ``scaled_dot_product_attention`` with the padding masked out. Its CPU kernel
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) keeps the precision of this module's kernel: scores and
+    softmax in fp32, probabilities cast to the input dtype for ``P @ V`` with fp32 accumulation, the result in
+    the input dtype; and it never materialises fp32 copies of K or the ``[B, H, L]`` scores.
+    ``num_splits`` and ``workspace`` are validated but otherwise ignored.
     Memory: ``O(B * max_context * num_kv_heads * head_dim)``.
     """
     _check(query, k_cache, v_cache, block_tables, context_lens, num_splits, out, workspace)
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     max_len = gather.valid.shape[1] if gather is not None else int(context_lens.max().item()) if batch > 0 else 0
     if max_len == 0:
         result = torch.zeros_like(query)
     else:
         k, v, valid = gather_kv(k_cache, v_cache, block_tables, context_lens, max_len, gather)
-        q = query.float().reshape(batch, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        result = torch.matmul(probs, v).float().reshape(batch, num_q_heads, head_dim)
-        # Rows with context_len 0 (all -inf -> NaN softmax, garbage V) are defined as zeros.
+        # A GQA group's query heads are the query rows of its KV head: [B, Hkv, group, D] against [B, Hkv, L, D]
+        q = query.to(k.dtype).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        result = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :],
+                                                scale=scale).view(batch, num_q_heads, head_dim)
+        # Rows with context_len 0 (every position masked: NaN) are defined as zeros.
         result = torch.where((context_lens > 0)[:, None, None], result, 0.0).to(query.dtype)
     if out is None:
         return result

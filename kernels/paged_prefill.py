@@ -16,6 +16,7 @@ Each program finds its sequence by binary search over ``query_start_loc``; surpl
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -226,18 +227,16 @@ def paged_prefill_attention_reference(
 ) -> torch.Tensor:
     """Torch version of :func:`paged_prefill_attention` (same contract); the engine's CPU path.
 
-    Loops over sequences (one host sync for the lengths); within a sequence everything is
-    vectorised: gather its K/V heads first, fp32 scores ``[num_kv_heads, group * q_len, context_len]``
-    with the causal mask and softmax, then ``P @ V`` with P in the cache dtype as the kernel does
-    (see :func:`kernels.paged_decode.paged_decode_attention_reference`), cast to query's dtype.
+    Loops over sequences (one host sync for the lengths); within a sequence everything is vectorised: gather
+    its K/V heads first, then torch's fused ``scaled_dot_product_attention`` (same precision as the kernel,
+    see :func:`kernels.paged_decode.paged_decode_attention_reference`), causal with the queries aligned to the
+    end of the context: query ``i`` sits at position ``context_len - q_len + i`` and sees keys up to it.
 
     Raises:
         ValueError: as :func:`paged_prefill_attention`, plus ``q_len_s > context_lens[s]``.
     """
     _check(query, k_cache, v_cache, block_tables, query_start_loc, context_lens)
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -249,13 +248,12 @@ def paged_prefill_attention_reference(
         if q_len > ctx:
             raise ValueError(f"sequence {s}: {q_len} new tokens but context_lens is {ctx}")
         k, v, _ = gather_kv(k_cache, v_cache, block_tables[s : s + 1], context_lens[s : s + 1], ctx)
-        q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(num_kv_heads, group * q_len, head_dim)
-        scores = torch.bmm(q, k[0].float().transpose(-1, -2)) * scale  # [Hkv, G * q_len, ctx]
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device).repeat(group)  # row g * q_len + i
-        k_pos = torch.arange(ctx, device=query.device)
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        o = torch.bmm(probs, v[0]).view(num_kv_heads, group, q_len, head_dim)
-        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(query.dtype)
+        q = query[q0:q1].to(k.dtype).transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        if q_len == ctx:  # no cached prefix: SDPA's own (top-left aligned) causal mask is the same
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[q0:q1] = o[0].transpose(0, 1).to(query.dtype)
     return out

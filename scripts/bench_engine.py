@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import queue
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.ops.hardware import select_dtype
+from omni_backend.ops.memory_env import memory_environment
 from omni_backend.triton_server import TritonServer
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
@@ -187,7 +189,17 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rerun_under_memory_environment() -> None:
+    """Re-exec this script with the server's glibc and oneDNN settings (omni_backend/ops/memory_env.py) where
+    the environment lacks them: they are read at process start, and without them the in-process peers fault
+    in pages the server's engine keeps, so (c) and (d) would not run under the same conditions."""
+    missing = {name: value for name, value in memory_environment().items() if name not in os.environ}
+    if missing:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+
+
 def main() -> None:
+    rerun_under_memory_environment()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -204,7 +216,8 @@ def main() -> None:
     results = {"workload": {"requests": args.requests, "new_tokens": args.new_tokens,
                             "prompt_tokens": sum(map(len, prompts))},
                "dtype": dtype_name, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-               "torch_threads": torch.get_num_threads(), "peers": {}}
+               "torch_threads": torch.get_num_threads(),
+               "memory_environment": {name: os.environ[name] for name in memory_environment()}, "peers": {}}
     peers = {
         "hf_single": lambda: bench_hf(prompts[:args.hf_single_requests], args.new_tokens, 1, dtype),
         "hf_batch8": lambda: bench_hf(prompts, args.new_tokens, 8, dtype),

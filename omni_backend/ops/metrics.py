@@ -25,7 +25,8 @@ loop and the response thread only append plain records, and `LLMService`'s metri
                                         gauge      last NVML reading (0 while the governor is disabled)
     omni_stage_heartbeat_timestamp_seconds
                                         gauge      Unix time of the stage's last publication: the stage's
-                                                   liveness (see `stale_stages`)
+                                                   liveness (see `stale_stages`); every other Python-backend
+                                                   stage publishes it too (`StageHeartbeat`)
 
 ITL is one observation per request (the mean gap between its tokens, genai-perf's definition) rather than
 one per token, which would cost an IPC call per token.
@@ -33,10 +34,14 @@ one per token, which would cost an IPC call per token.
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
 ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
@@ -127,7 +132,7 @@ class LLMMetrics:
         self.power = metric("omni_gpu_power_watts", "GPU power draw (W)", G)
         self.temperature = metric("omni_gpu_temperature_celsius", "GPU temperature (C)", G)
         self.sm_clock = metric("omni_gpu_sm_clock_mhz", "GPU SM clock (MHz)", G)
-        self.heartbeat = metric(HEARTBEAT, "Unix time (s) at which the stage last showed progress", G)
+        self.heartbeat = metric(HEARTBEAT, HEARTBEAT_DESCRIPTION, G)
         self._last = LLMStats()
 
     def publish(self, stats: LLMStats, now: float | None = None) -> None:
@@ -168,11 +173,50 @@ class LLMMetrics:
         self._last = stats
 
 
+class StageHeartbeat:
+    """The heartbeat of a stage without an engine loop (every Python-backend model but llm): a daemon thread sets
+    the `omni_stage_heartbeat_timestamp_seconds` gauge to the current Unix time every `interval_s` seconds for
+    as long as the stub process lives, so a killed stub's heartbeat goes stale within STALE_AFTER_S and
+    readiness (`stages_ready`, `python -m omni_backend.ops.ready`) turns false without waiting for a request to
+    meet the dead stage. It shows that the process lives, not that its `execute` makes progress (the llm
+    stage's heartbeat also stops when its loops hang; see omni_backend/stages/llm.py).
+
+    Args:
+        pb_utils: `triton_python_backend_utils` (or a stand-in with its MetricFamily API).
+        model, version: label values, as Triton's `args["model_name"]` and `args["model_version"]`.
+        interval_s: seconds between publications (each an IPC round trip to the server).
+    """
+
+    def __init__(self, pb_utils, model: str, version: str, interval_s: float = 1.0):
+        family = pb_utils.MetricFamily
+        self._family = family(name=HEARTBEAT, description=HEARTBEAT_DESCRIPTION, kind=family.GAUGE)
+        self._gauge = self._family.Metric(labels={"model": model, "version": str(version)})
+        self._interval_s = interval_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"{model}-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self._gauge.set(time.time())
+            except Exception:  # the heartbeat must never take the stage down; a missed beat shows as staleness
+                logger.exception("publishing the heartbeat failed")
+            if self._stopping.wait(self._interval_s):
+                return
+
+    def stop(self) -> None:
+        """End the thread (model finalize); the gauge keeps its last value."""
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)', re.MULTILINE)
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 NOT_ADMITTING = 3  # GovernorState.NOT_ADMITTING (not imported: that module pulls in torch)
 NOT_ADMITTING_MESSAGE = "not admitting new requests"  # how the governor's UNAVAILABLE error message starts
 HEARTBEAT = "omni_stage_heartbeat_timestamp_seconds"
+HEARTBEAT_DESCRIPTION = "Unix time (s) at which the stage last showed progress"
 # A stage publishes about once a second; 3 s without a publication means its stub process died or hangs.
 # (Triton 2.51 keeps a dead stub's model READY and never restarts a decoupled model's stub.)
 STALE_AFTER_S = 3.0

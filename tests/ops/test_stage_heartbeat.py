@@ -1,12 +1,15 @@
-"""The stage heartbeat (omni_stage_heartbeat_timestamp_seconds): published with every metrics publication, and
+"""The stage heartbeat (omni_stage_heartbeat_timestamp_seconds): published with every llm metrics publication and
+by every other stage's StageHeartbeat thread, and
 read back by `stale_stages`/`stages_ready` (the front door's /health, ops/ready.py, serving.metrics.StageWatch).
 The end-to-end check, a killed llm stub, is tests/reliability/test_stage_death.py."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
-from omni_backend.ops.metrics import HEARTBEAT, STALE_AFTER_S, LLMMetrics, LLMStats, stages_ready, stale_stages
+from omni_backend.ops.metrics import (HEARTBEAT, STALE_AFTER_S, LLMMetrics, LLMStats, StageHeartbeat, stages_ready,
+                                      stale_stages)
 from omni_backend.serving.metrics import StageWatch
 
 NOW = 1_800_000_000.0
@@ -72,6 +75,29 @@ def test_publish_sets_the_heartbeat_every_time():
     assert metrics.heartbeat.value == NOW
     metrics.publish(LLMStats(), now=NOW + 1.0)  # nothing else changed: the heartbeat still moves
     assert metrics.heartbeat.value == NOW + 1.0
+
+
+def test_stage_heartbeat_beats_from_its_thread_until_stopped():
+    """A unary stage's heartbeat: fresh within one interval of starting, moving while the stub lives, frozen once
+    stopped (a killed stub's thread dies with it)."""
+    beat = StageHeartbeat(_FakePbUtils, "preprocess", 1, interval_s=0.05)
+    gauge = _FakeFamily.made[(HEARTBEAT, (("model", "preprocess"), ("version", "1")))]
+    try:
+        deadline = time.monotonic() + 5
+        while gauge.value == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = gauge.value
+        assert abs(first - time.time()) < 1.0
+        while gauge.value == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gauge.value > first, "the heartbeat did not move"
+    finally:
+        beat.stop()
+    stopped = gauge.value
+    time.sleep(0.2)
+    assert gauge.value == stopped
+    assert stale_stages(page(("preprocess", stopped)), now=stopped + STALE_AFTER_S + 1) == {
+        ("preprocess", "1"): STALE_AFTER_S + 1}
 
 
 def test_stage_watch_reports_the_silent_model_and_caches_one_scrape(monkeypatch):

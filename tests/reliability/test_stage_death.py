@@ -5,8 +5,9 @@ What Triton 2.51 does by itself (seen here): nothing visible. `/v2/health/ready`
 200, the streams the stub was serving are never ended, the stub is not restarted (python_backend has no restart
 for decoupled models), and a new request to llm fails at once with "Stub process 'llm_0_0' is not healthy.".
 
-What the product adds (omni_backend/ops/metrics.py heartbeat, serving/metrics.py StageWatch): the llm stage
-publishes a heartbeat gauge about once a second; when it is older than STALE_AFTER_S the front door's /health and
+What the product adds (omni_backend/ops/metrics.py heartbeat, serving/metrics.py StageWatch): every stage
+publishes a heartbeat gauge about once a second (llm from its metrics thread, which stops it when its loops
+hang; the others from StageHeartbeat's thread); when one is older than STALE_AFTER_S the front door's /health and
 the readiness probe (`python -m omni_backend.ops.ready`) say not ready, requests waiting on the llm stream end
 with 503 (or an error event once streaming), and new requests get 503. The stage stays down (clearly unready)
 until the server is restarted.
@@ -114,10 +115,33 @@ def stream_chat(url: str, events: queue.Queue, timeout_s: float) -> None:
         events.put(("exception", repr(exc)))
 
 
-def heartbeat(server) -> float | None:
+def heartbeat(server, model: str = "llm") -> float | None:
+    """`model`'s last heartbeat (Unix s) on Triton's metrics page; None before its first publication."""
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    samples = parse_metrics(text).get(HEARTBEAT, [])
-    return samples[0][1] if samples else None
+    beats = [value for labels, value in parse_metrics(text).get(HEARTBEAT, []) if labels.get("model") == model]
+    return beats[0] if beats and beats[0] else None
+
+
+def wait_fresh_heartbeat(server, model: str) -> None:
+    deadline = time.monotonic() + 10
+    while not heartbeat(server, model) and time.monotonic() < deadline:  # 0 until the first publication
+        time.sleep(0.2)
+    assert abs(heartbeat(server, model) - time.time()) < STALE_AFTER_S, f"{model} publishes no fresh heartbeat"
+
+
+def wait_unready(server, door, killed: float) -> dict[str, float]:
+    """Poll the front door's /health and the readiness probe until both say not ready: seconds after `killed`
+    at which each flipped (the test fails if either is still ready READY_WITHIN_S + 1 s after the kill)."""
+    flipped = {}
+    while len(flipped) < 2 and time.monotonic() - killed < READY_WITHIN_S + 1:
+        if "health" not in flipped and http_status(door.url + "/health")[0] == 503:
+            flipped["health"] = time.monotonic() - killed
+        if "probe" not in flipped and not check(server.http_url, server.metrics_url)[0]:
+            flipped["probe"] = time.monotonic() - killed
+        time.sleep(0.1)
+    assert set(flipped) == {"health", "probe"}, f"still ready {READY_WITHIN_S + 1} s after the stub died"
+    assert max(flipped.values()) < READY_WITHIN_S, flipped
+    return flipped
 
 
 def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_server):
@@ -127,10 +151,7 @@ def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_serve
         status, body = http_status(door.url + "/v1/chat/completions",
                                    {**LONG, "max_tokens": 8, "ignore_eos": False, "temperature": 0.0})
         assert status == 200 and body["choices"][0]["message"]["content"]
-        deadline = time.monotonic() + 10
-        while not heartbeat(server) and time.monotonic() < deadline:  # 0 until the first publication
-            time.sleep(0.2)
-        assert abs(heartbeat(server) - time.time()) < STALE_AFTER_S, "the llm stage publishes no fresh heartbeat"
+        wait_fresh_heartbeat(server, "llm")
         assert http_status(door.url + "/health")[0] == 200
         assert check(server.http_url, server.metrics_url) == (True, "ok")
         assert check_live(server.http_url, server.metrics_url) == (True, "ok")
@@ -150,15 +171,7 @@ def test_killed_llm_stub_turns_readiness_false_and_ends_requests(make_chat_serve
         killed = kill(llm_stub(server))
 
         # readiness: the front door's /health and the k8s probe turn false within READY_WITHIN_S
-        flipped = {}
-        while len(flipped) < 2 and time.monotonic() - killed < READY_WITHIN_S + 1:
-            if "health" not in flipped and http_status(door.url + "/health")[0] == 503:
-                flipped["health"] = time.monotonic() - killed
-            if "probe" not in flipped and not check(server.http_url, server.metrics_url)[0]:
-                flipped["probe"] = time.monotonic() - killed
-            time.sleep(0.1)
-        assert set(flipped) == {"health", "probe"}, f"still ready {READY_WITHIN_S + 1} s after the stub died"
-        assert max(flipped.values()) < READY_WITHIN_S, flipped
+        flipped = wait_unready(server, door, killed)
         ready, reason = check(server.http_url, server.metrics_url)
         assert not ready and "llm/1" in reason, reason
 
@@ -214,8 +227,10 @@ def test_killed_preprocess_stub_is_503_and_stays_down(make_chat_server):
     """A unary (non-decoupled) stage's stub dies. Measured on this Triton 2.51 (PyTriton 0.7.0's build, whose
     python_backend has no restart code: no "will be restarted" in libtriton_python.so): the stub is not restarted,
     and every request to the stage fails after about 1 s (python_backend's health-mutex timeout) with gRPC
-    INTERNAL "Stub process 'preprocess_0_0' is not healthy.", and Triton keeps the model READY. The front door
-    answers each 503 + Retry-After, never 500 and never a hang, and its /health turns 503 (pipeline.down_stages)."""
+    INTERNAL "Stub process 'preprocess_0_0' is not healthy.", and Triton keeps the model READY. Its heartbeat
+    (ops/metrics.py StageHeartbeat) stops with the process, so the front door's /health and the readiness probe
+    turn false within READY_WITHIN_S before any request meets the dead stage. The front door answers each
+    request 503 + Retry-After, never 500 and never a hang."""
     server = make_chat_server()
     door = FrontDoorThread(front_door_config(server)).start()
     chat = door.url + "/v1/chat/completions"
@@ -223,7 +238,12 @@ def test_killed_preprocess_stub_is_503_and_stays_down(make_chat_server):
     try:
         status, _, body = http_answer(chat, short, 60.0)
         assert status == 200 and body["choices"][0]["message"]["content"], body
-        kill(stage_stub(server, "preprocess"))
+        wait_fresh_heartbeat(server, "preprocess")
+        assert check(server.http_url, server.metrics_url) == (True, "ok")
+        killed = kill(stage_stub(server, "preprocess"))
+        flipped = wait_unready(server, door, killed)  # no request has met the dead stage yet
+        ready, reason = check(server.http_url, server.metrics_url)
+        assert not ready and "preprocess/1" in reason, reason
 
         answers = []  # (status, seconds) of each front-door request after the kill
         for _ in range(5):
@@ -247,14 +267,19 @@ def test_killed_preprocess_stub_is_503_and_stays_down(make_chat_server):
                 client.infer("preprocess", [text, limit], client_timeout=30)
             model_ready = client.is_model_ready("preprocess")
         raised = excinfo.value
-        print(f"front door after the preprocess stub was killed: {answers}; Triton: {raised.status()} "
+        print(f"readiness false after {flipped}; front door after the preprocess stub was killed: {answers}; "
+              f"Triton: {raised.status()} "
               f"{raised.message()!r}, preprocess ready {model_ready}; /health {http_status(door.url + '/health')}; "
               f"probe {check(server.http_url, server.metrics_url)}")
         assert raised.status() == "StatusCode.INTERNAL"
         assert "Stub process 'preprocess_0_0' is not healthy" in raised.message()
-        # the front door marks itself unready after the first such answer (Triton and the probe do not notice)
+        # the stage stays clearly down: /health and the probe stay unready, liveness fails (Triton's stays 200)
         status, body = http_status(door.url + "/health")
-        assert status == 503 and "stage process dead: preprocess" in body["error"]["message"], body
+        assert status == 503 and "preprocess" in body["error"]["message"], body
+        assert not check(server.http_url, server.metrics_url)[0]
+        live, reason = check_live(server.http_url, server.metrics_url)
+        assert not live and "preprocess/1 silent for" in reason, reason
+        assert http_status(f"http://{server.http_url}/v2/health/live")[0] == 200
         # no restart: no preprocess stub process comes back
         stubs = [p for p in psutil.Process(server.process.pid).children(recursive=True)
                  if _alive(p) and "/preprocess/" in " ".join(p.cmdline())]

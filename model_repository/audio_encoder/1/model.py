@@ -5,6 +5,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.media_encoder import create_stage
 
 
@@ -12,6 +13,7 @@ class TritonPythonModel:
     def initialize(self, args):
         parameters = json.loads(args["model_config"]).get("parameters", {})
         self.stage = create_stage("audio", {k: v["string_value"] for k, v in parameters.items()})
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):
         arrays = [pb_utils.get_input_tensor_by_name(r, "input_features").as_numpy() for r in requests]
@@ -22,3 +24,6 @@ class TritonPythonModel:
             return [pb_utils.InferenceResponse(error=error) for _ in requests]
         return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("embeddings", np.ascontiguousarray(o))])
                 for o in outputs]
+
+    def finalize(self):
+        self.heartbeat.stop()

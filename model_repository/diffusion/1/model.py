@@ -5,6 +5,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.tensors import request_arrays
 from omni_backend.stages.diffusion import INPUT_NAMES, DiffusionStage, ImageLimits, ImageRequest
 
@@ -15,6 +16,7 @@ class TritonPythonModel:
         setting = {key: value["string_value"] for key, value in parameters.items()}
         self.stage = DiffusionStage.from_pretrained(setting["model_path"], ImageLimits.from_parameters(setting),
                                                     setting.get("device", "auto"), setting.get("dtype", "auto"))
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):
         responses = [None] * len(requests)
@@ -41,3 +43,6 @@ class TritonPythonModel:
                 for index in indices:
                     responses[index] = pb_utils.InferenceResponse(error=error)
         return responses
+
+    def finalize(self):
+        self.heartbeat.stop()

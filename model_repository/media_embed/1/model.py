@@ -6,12 +6,16 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.media_encoder import splice_embeddings
 
 ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+
     async def execute(self, requests):
         return list(await asyncio.gather(*(self._one(request) for request in requests)))
 
@@ -46,3 +50,6 @@ class TritonPythonModel:
     def _response(embeds, positions):
         return pb_utils.InferenceResponse([pb_utils.Tensor("prompt_embeds", embeds),
                                            pb_utils.Tensor("prompt_embed_positions", positions)])
+
+    def finalize(self):
+        self.heartbeat.stop()

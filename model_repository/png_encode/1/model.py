@@ -3,10 +3,14 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.diffusion import encode_png
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -19,3 +23,6 @@ class TritonPythonModel:
                                              pb_utils.TritonError.INTERNAL)
                 responses.append(pb_utils.InferenceResponse(error=error))
         return responses
+
+    def finalize(self):
+        self.heartbeat.stop()

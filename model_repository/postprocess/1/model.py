@@ -4,6 +4,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.tensors import respond_each
 from omni_backend.stages.postprocess import INPUT_NAMES, Postprocessor
 
@@ -13,6 +14,10 @@ class TritonPythonModel:
         parameters = json.loads(args["model_config"]).get("parameters", {})
         setting = {key: value["string_value"] for key, value in parameters.items()}
         self.stage = Postprocessor.from_pretrained(setting["llm_model_path"])
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):
         return respond_each(pb_utils, requests, INPUT_NAMES, self.stage.run, "postprocess")
+
+    def finalize(self):
+        self.heartbeat.stop()

@@ -2,11 +2,15 @@
 
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.stages.tts_options import SpeechOptions
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -25,3 +29,6 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("passthrough",
                                                                          string_tensor(options.to_json()))]))
         return responses
+
+    def finalize(self):
+        self.heartbeat.stop()

@@ -8,6 +8,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.tensors import request_arrays
 from omni_backend.stages.tts import ENGINES, INPUT_NAMES, SpeechStage, SpeechWorker
 
@@ -41,6 +42,7 @@ class TritonPythonModel:
         self.stage = SpeechStage(synthesizer, max_text_chars=int(setting.get("max_text_chars", "4096")),
                                  stream_ttl_s=float(setting.get("stream_ttl_s", "600")))
         self.worker = SpeechWorker(self.stage)
+        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):
         for request in requests:
@@ -61,4 +63,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.heartbeat.stop()
         self.worker.shutdown()

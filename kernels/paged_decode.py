@@ -385,7 +385,7 @@ def paged_decode_attention_reference(
         # A GQA group's query heads are the query rows of its KV head: [B, Hkv, group, D] against [B, Hkv, L, D]
         q = query.to(k.dtype).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         result = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :],
-                                                scale=scale).view(batch, num_q_heads, head_dim)
+                                                scale=scale).reshape(batch, num_q_heads, head_dim)
         # Rows with context_len 0 (every position masked: NaN) are defined as zeros.
         result = torch.where((context_lens > 0)[:, None, None], result, 0.0).to(query.dtype)
     if out is None:

@@ -195,7 +195,7 @@ def rerun_under_memory_environment() -> None:
     in pages the server's engine keeps, so (c) and (d) would not run under the same conditions."""
     missing = {name: value for name, value in memory_environment().items() if name not in os.environ}
     if missing:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **missing})
 
 
 def main() -> None:

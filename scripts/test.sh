@@ -5,5 +5,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 # keep freed memory in-process and bound oneDNN's caches, as the server does (omni_backend/ops/memory_env.py)
-eval "$("$ROOT/.venv/bin/python" -m omni_backend.ops.memory_env)"
+exports="$("$ROOT/.venv/bin/python" -m omni_backend.ops.memory_env)"  # a failure here stops the script (set -e)
+eval "$exports"
 HF_HUB_OFFLINE=1 exec "$ROOT/.venv/bin/python" -m pytest tests "$@"

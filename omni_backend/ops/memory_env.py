@@ -30,7 +30,8 @@ ONEDNN_CACHE_CAPACITY = 64
 
 
 def memory_environment() -> dict[str, str]:
-    """The variables to set before an engine process starts (glibc and oneDNN read them once, at first use)."""
+    """The variables to set before an engine process starts: glibc reads GLIBC_TUNABLES when the process starts,
+    oneDNN and ideep read their capacities once, when the first bf16 matmul runs."""
     return {"GLIBC_TUNABLES": MALLOC_TUNABLES,
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY),
             "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY)}

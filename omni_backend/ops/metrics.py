@@ -197,11 +197,15 @@ class StageHeartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
+        failing = False
         while True:
             try:
                 self._gauge.set(time.time())
+                failing = False
             except Exception:  # the heartbeat must never take the stage down; a missed beat shows as staleness
-                logger.exception("publishing the heartbeat failed")
+                if not failing:  # log when it starts failing, not every second
+                    logger.exception("publishing the heartbeat failed")
+                failing = True
             if self._stopping.wait(self._interval_s):
                 return
 
@@ -217,6 +221,8 @@ NOT_ADMITTING = 3  # GovernorState.NOT_ADMITTING (not imported: that module pull
 NOT_ADMITTING_MESSAGE = "not admitting new requests"  # how the governor's UNAVAILABLE error message starts
 HEARTBEAT = "omni_stage_heartbeat_timestamp_seconds"
 HEARTBEAT_DESCRIPTION = "Unix time (s) at which the stage last showed progress"
+"""One help text for every stage's family of that name; for the stages with a StageHeartbeat, "progress" means
+only that the stub process lives."""
 # A stage publishes about once a second; 3 s without a publication means its stub process died or hangs.
 # (Triton 2.51 keeps a dead stub's model READY and never restarts a decoupled model's stub.)
 STALE_AFTER_S = 3.0

@@ -205,8 +205,9 @@ class TritonPipeline(TritonGrpcUser):
         self._info: PipelineInfo | None = None
         self._lock = asyncio.Lock()
         # unary stages whose last call found their stub dead (Triton's message): `ready()` is False while any is
-        # here. This Triton build restarts no stub and keeps the model READY, and these stages publish no
-        # heartbeat, so a failed call is the only sign; a later successful call to the stage clears it.
+        # here. This Triton build restarts no stub and keeps the model READY; a failed call is the first sign
+        # a request sees (the stage's heartbeat goes stale about 3 s after the death, whether or not a request
+        # comes); a later successful call to the stage clears it.
         self.down_stages: dict[str, str] = {}
 
     async def ready(self) -> bool:

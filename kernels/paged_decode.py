@@ -383,11 +383,11 @@ def paged_decode_attention_reference(
     else:
         k, v, valid = gather_kv(k_cache, v_cache, block_tables, context_lens, max_len, gather)
         # A GQA group's query heads are the query rows of its KV head: [B, Hkv, group, D] against [B, Hkv, L, D]
-        q = query.to(k.dtype).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        q = query.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # query dtype == cache dtype
         result = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :],
                                                 scale=scale).reshape(batch, num_q_heads, head_dim)
         # Rows with context_len 0 (every position masked: NaN) are defined as zeros.
-        result = torch.where((context_lens > 0)[:, None, None], result, 0.0).to(query.dtype)
+        result = torch.where((context_lens > 0)[:, None, None], result, 0.0)
     if out is None:
         return result
     out.copy_(result)

@@ -248,12 +248,12 @@ def paged_prefill_attention_reference(
         if q_len > ctx:
             raise ValueError(f"sequence {s}: {q_len} new tokens but context_lens is {ctx}")
         k, v, _ = gather_kv(k_cache, v_cache, block_tables[s : s + 1], context_lens[s : s + 1], ctx)
-        q = query[q0:q1].to(k.dtype).transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        q = query[q0:q1].transpose(0, 1)[None]  # [1, Hq, q_len, D] (query dtype == cache dtype)
         if q_len == ctx:  # no cached prefix: SDPA's own (top-left aligned) causal mask is the same
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
             mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q0:q1] = o[0].transpose(0, 1).to(query.dtype)
+        out[q0:q1] = o[0].transpose(0, 1)
     return out

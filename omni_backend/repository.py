@@ -59,7 +59,7 @@ class Settings:
             beyond that is refused at once with UNAVAILABLE "waiting queue is full" (0: no limit).
         device: "auto", "cpu" or "cuda[:n]" for the llm stage.
         dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
-        attention_backend: "auto", "torch" or "triton".
+        attention_backend: "auto", "cpu", "torch" or "triton".
         diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
     """
 

@@ -1,4 +1,9 @@
-"""Paged attention behind one interface, with a torch backend (CPU) and an OpenAI-Triton backend (GPU).
+"""Paged attention behind one interface, with three backends:
+
+- ``triton``: the OpenAI-Triton kernels in ``kernels/`` (GPU default; on CPU only under TRITON_INTERPRET=1).
+- ``cpu``: decode through the C++ kernel of ``kernels/paged_decode_cpu.py`` (built on first use), which reads
+  K/V in place from the blocks; ``store_kv`` and prefill through the torch references (CPU default).
+- ``torch``: every operation through the vectorised torch references (CPU fallback where no C++ compiler is).
 
 A step's tokens are laid out prefill chunks first, then decodes (one token each). Every layer writes the step's
 new K/V into cache slots (`store_kv`), runs causal attention over the paged cache for the prefill part and
@@ -14,6 +19,7 @@ import torch
 
 from kernels import paged_decode, paged_prefill, store_kv
 from kernels._paged import KVGather, kv_gather
+from kernels.paged_decode_cpu import CpuPagedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +54,18 @@ class PagedAttention:
     """Attention over the paged KV cache with a chosen implementation.
 
     Args:
-        backend: "torch" (vectorized torch references in `kernels/`, CPU default) or "triton" (OpenAI-Triton
-            kernels; GPU default, or CPU under TRITON_INTERPRET=1).
+        backend: "cpu", "torch" or "triton" (see the module docstring).
         scale: softmax scale, usually head_dim ** -0.5.
         num_splits: KV splits of the split-KV decode kernel (static, so the launch is graph-capturable).
+        kernel_build_dir: folder for the "cpu" backend's compiled kernel.
+
+    Raises:
+        ValueError: unknown backend, or "cpu" without `kernel_build_dir`.
+        kernels.paged_decode_cpu.CpuKernelUnavailable: the "cpu" backend's kernel cannot be built here.
     """
 
-    def __init__(self, backend: str, scale: float, num_splits: int = 4):
-        if backend not in ("torch", "triton"):
+    def __init__(self, backend: str, scale: float, num_splits: int = 4, kernel_build_dir: str | None = None):
+        if backend not in ("cpu", "torch", "triton"):
             raise ValueError(f"unknown attention backend {backend!r}")
         self.backend = backend
         self.scale = scale
@@ -64,10 +74,15 @@ class PagedAttention:
             self._store = store_kv.store_kv
             self._prefill = paged_prefill.paged_prefill_attention
             self._decode = paged_decode.paged_decode_attention
-        else:
-            self._store = store_kv.store_kv_reference
-            self._prefill = paged_prefill.paged_prefill_attention_reference
+            return
+        self._store = store_kv.store_kv_reference
+        self._prefill = paged_prefill.paged_prefill_attention_reference
+        if backend == "torch":
             self._decode = paged_decode.paged_decode_attention_reference
+        else:
+            if kernel_build_dir is None:
+                raise ValueError("the cpu attention backend needs kernel_build_dir")
+            self._decode = CpuPagedDecode(kernel_build_dir)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -90,6 +105,9 @@ class PagedAttention:
         if self.backend == "triton":
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                 self.scale, num_splits=self.num_splits)
+        if self.backend == "cpu":
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                self.scale)
         if meta.decode_gather is None:  # same slots for every layer: build once per step (one host sync)
             max_len = int(meta.decode_context_lens.max().item())
             meta.decode_gather = kv_gather(meta.decode_block_tables, meta.decode_context_lens, max_len,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 MIB = 1024 * 1024
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass
@@ -24,7 +25,7 @@ class EngineConfig:
         max_num_seqs: most sequences in one step; also the rows of the block-table pool.
         max_num_batched_tokens: per-step token budget (prefill chunks + decodes), tokens.
         max_model_len: longest prompt + completion, tokens (capped by the model's max positions).
-        attention_backend: "auto", "torch" or "triton".
+        attention_backend: "auto", "cpu", "torch" or "triton" (see `omni_backend.engine.attention`).
         enforce_eager: never capture CUDA graphs.
     """
 
@@ -46,8 +47,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend}")
 
     @property
     def torch_device(self) -> torch.device:

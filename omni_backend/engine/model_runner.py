@@ -7,6 +7,8 @@ import logging
 import torch
 from transformers import AutoConfig
 
+from kernels.paged_decode_cpu import CpuKernelUnavailable
+from omni_backend import paths
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
@@ -43,12 +45,9 @@ class ModelRunner:
             raise ValueError(f"unsupported architecture {architecture}; supported: {SUPPORTED_ARCHITECTURES}")
         self.hf_config = hf_config
         self.dtype = select_dtype(config.dtype, self.device)
-        self.attention_backend, reason = select_attention_backend(config.attention_backend, self.device)
-        logger.info("attention backend: %s (%s); dtype %s", self.attention_backend, reason, self.dtype)
-
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        attention = PagedAttention(self.attention_backend, scale=self.head_dim ** -0.5)
+        attention = self._make_attention(config.attention_backend)
         max_positions = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 20))
         if config.max_model_len > max_positions:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} positions")
@@ -75,6 +74,28 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graph_runner.capture_all()
             logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.batch_sizes)
+
+    def _make_attention(self, requested: str) -> PagedAttention:
+        """The attention backend `select_attention_backend` picks; an automatic "cpu" whose C++ kernel cannot be
+        built here falls back to "torch", with a warning that says why (the omni_attention_backend metric then
+        reports "torch"). Sets `self.attention_backend`.
+
+        Raises:
+            CpuKernelUnavailable: "cpu" was requested explicitly and cannot be built.
+        """
+        self.attention_backend, reason = select_attention_backend(requested, self.device)
+        scale = self.head_dim ** -0.5
+        try:
+            attention = PagedAttention(self.attention_backend, scale=scale,
+                                       kernel_build_dir=str(paths.cache_dir() / "kernels"))
+        except CpuKernelUnavailable as exc:
+            if requested != "auto":
+                raise
+            logger.warning("attention backend cpu disabled, using torch: %s", exc)
+            self.attention_backend, reason = "torch", "auto: the C++ decode kernel cannot be built here"
+            attention = PagedAttention("torch", scale=scale)
+        logger.info("attention backend: %s (%s); dtype %s", self.attention_backend, reason, self.dtype)
+        return attention
 
     def _num_kv_blocks(self) -> int:
         config = self.config

@@ -69,12 +69,14 @@ def select_dtype(requested: str, device: torch.device, capability=_QUERY) -> tor
 
 
 def select_attention_backend(requested: str, device: torch.device, capability=_QUERY) -> tuple[str, str]:
-    """Resolve "auto"/"torch"/"triton" to a backend name and the reason for the choice.
+    """Resolve "auto"/"cpu"/"torch"/"triton" to a backend name and the reason for the choice.
 
+    "cpu" (the CPU default) is a C++ decode kernel built on first use (kernels/paged_decode_cpu.py); whether it
+    builds is only known then, so the model runner falls back to "torch" when an automatic "cpu" cannot be built.
     `capability` as in `select_dtype`.
 
     Raises:
-        ValueError: "triton" requested where the kernels cannot run.
+        ValueError: "triton" requested where the kernels cannot run, or "cpu" requested for a CUDA device.
     """
     if capability is _QUERY:
         capability = compute_capability(device)
@@ -85,13 +87,17 @@ def select_attention_backend(requested: str, device: torch.device, capability=_Q
             raise ValueError("attention_backend=triton needs a CUDA device with capability >= 7.0 "
                              "or TRITON_INTERPRET=1 on CPU")
         return "triton", "requested"
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend=cpu runs on CPU tensors, the engine's device is {device}")
+        return "cpu", "requested"
     if requested == "torch":
         return "torch", "requested"
     if capability is not None and triton_ok:
         return "triton", f"auto: CUDA capability {capability[0]}.{capability[1]}"
     if capability is not None:
         return "torch", f"auto: CUDA capability {capability[0]}.{capability[1]} below 7.0"
-    return "torch", "auto: CPU device (Triton kernels only under TRITON_INTERPRET=1, which is slow)"
+    return "cpu", "auto: CPU device (C++ paged decode kernel; Triton kernels only under TRITON_INTERPRET=1)"
 
 
 # --- NVML: inventory and readings ----------------------------------------------------------------------------

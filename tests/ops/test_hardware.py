@@ -65,3 +65,14 @@ def test_dtype_and_kernels_follow_compute_capability(capability, dtype, backend)
     if backend == "torch":
         with pytest.raises(ValueError, match="attention_backend=triton"):
             hardware.select_attention_backend("triton", cuda, capability)
+
+
+def test_cpu_device_picks_the_cpu_kernel_and_cpu_is_refused_for_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert hardware.select_attention_backend("auto", cpu, None)[0] == "cpu"
+    assert hardware.select_attention_backend("torch", cpu, None) == ("torch", "requested")
+    with pytest.raises(ValueError, match="attention_backend=triton"):
+        hardware.select_attention_backend("triton", cpu, None)
+    with pytest.raises(ValueError, match="attention_backend=cpu runs on CPU tensors"):
+        hardware.select_attention_backend("cpu", torch.device("cuda", 0), (9, 0))

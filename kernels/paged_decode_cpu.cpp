@@ -2,16 +2,23 @@
 // cache (no gather). The C ABI below is called through ctypes by kernels/paged_decode_cpu.py, which documents the
 // contract; this file holds only the arithmetic.
 //
-// Work item = (sequence b, KV head h): the GROUP query heads that share KV head h are scored against every
-// cached token of b (fp32 dot products), softmax in fp32 (max-subtracted, one pass over stored scores), then
-// P @ V accumulated in fp32 and written in the cache dtype. Items are spread over the OpenMP threads of the
-// process (the .so links libgomp by soname, so it joins the runtime torch already loaded).
+// Work item = one sequence b; for each KV head h, the `group` query heads that share it are scored against
+// every cached token of b (fp32 dot products), softmax in fp32 (max-subtracted, over the stored scores), then
+// P @ V accumulated in fp32 and written in the cache dtype. Tokens are walked block by block (one block-table
+// read per block, no division per token). Items are spread over the OpenMP threads of the process (the .so
+// links libgomp by soname, so it joins the runtime torch already loaded).
+//
+// Two paths: with AVX-512 (compiled with -march=native on a CPU that has it), head_dim 64 or 128 and groups of
+// 1 to 8, an intrinsics path keeps the group's queries and accumulators in registers and converts each K/V row
+// to fp32 once for the whole group; everything else runs a portable loop that the compiler vectorises.
+// Measured on the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380, one layer, K/V not in cache):
+// portable loop 630 us, AVX-512 path 410-450 us, torch's gather + SDPA 1,000-1,400 us.
 //
 // exp: Cephes-style expf (S. L. Moshier, Cephes Math Library, expf.c): x = n*ln2 + r with |r| <= ln2/2,
 // exp(r) by a degree-6 polynomial (Cephes' coefficients), 2^n by building the float's exponent field; written
 // with plain arithmetic so the compiler vectorises it. Relative error about 2e-7 on the range used (x <= 0).
 
-#include <xmmintrin.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -55,6 +62,135 @@ inline float exp_nonpositive(float x) {  // exp(x) for x <= 0; 0 below -87 (floa
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// Replaces s[0..len) by exp(s - max(s)) and returns their sum (len >= 1).
+inline float softmax_numerators(float* s, int64_t len) {
+  float max = s[0];
+#pragma omp simd reduction(max : max)
+  for (int64_t t = 1; t < len; ++t) max = s[t] > max ? s[t] : max;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = exp_nonpositive(s[t] - max);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// Portable path. One sequence, one KV head h: its `group` query heads (fp32, pre-scaled, [group][head_dim] in
+// `q`) against the first `len` tokens; scores [group][len] and acc [group][head_dim] are scratch; writes the
+// group's rows of `out` (out_head_stride apart).
+template <typename T>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, int64_t group,
+            int64_t head_dim, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
+            float* scores, float* acc, T* out, int64_t out_head_stride) {
+  for (int64_t start = 0; start < len; start += block_size) {  // scores[g, t] = q_g . k_t, block by block
+    const T* k = k_cache + table[start / block_size] * k_stride[0] + h * k_stride[2];
+    const int64_t end = start + block_size < len ? start + block_size : len;
+    for (int64_t t = start; t < end; ++t, k += k_stride[1]) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(k[d]);
+        scores[g * len + t] = dot;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place; acc = sum_t p[g, t] * v_t
+    float* s = scores + g * len;
+    const float sum = softmax_numerators(s, len);
+    float* a = acc + g * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.0f;
+    for (int64_t start = 0; start < len; start += block_size) {
+      const T* v = v_cache + table[start / block_size] * v_stride[0] + h * v_stride[2];
+      const int64_t end = start + block_size < len ? start + block_size : len;
+      for (int64_t t = start; t < end; ++t, v += v_stride[1]) {
+        const float p = s[t];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * load(v[d]);
+      }
+    }
+    const float inv_sum = 1.0f / sum;
+    for (int64_t d = 0; d < head_dim; ++d) store(a[d] * inv_sum, out + g * out_head_stride + d);
+  }
+}
+
+#ifdef __AVX512F__
+// AVX-512 path, same contract as `attend` with head_dim = HEAD_DIM (a multiple of 16: C vectors) and GROUP
+// query heads per KV head: a token's K (then V) row is converted to fp32 once for the whole group, the group's
+// query vectors and P @ V accumulators stay in registers, and a score costs C fused multiply-adds and one
+// horizontal sum.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 load16(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+template <typename T, int HEAD_DIM, int GROUP>
+void attend_avx512(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+                   int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h, float* scores,
+                   T* out, int64_t out_head_stride) {
+  constexpr int C = HEAD_DIM / 16;
+  __m512 qv[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * HEAD_DIM + 16 * c);
+  for (int64_t start = 0; start < len; start += block_size) {  // block by block: no division per token
+    const T* k = k_cache + table[start / block_size] * k_stride[0] + h * k_stride[2];
+    const int64_t end = start + block_size < len ? start + block_size : len;
+    for (int64_t t = start; t < end; ++t, k += k_stride[1]) {
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+      for (int g = 0; g < GROUP; ++g) {
+        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+        scores[g * len + t] = _mm512_reduce_add_ps(s);
+      }
+    }
+  }
+  float inv_sum[GROUP];
+  for (int g = 0; g < GROUP; ++g) inv_sum[g] = 1.0f / softmax_numerators(scores + g * len, len);
+  __m512 acc[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const T* v = v_cache + table[start / block_size] * v_stride[0] + h * v_stride[2];
+    const int64_t end = start + block_size < len ? start + block_size : len;
+    for (int64_t t = start; t < end; ++t, v += v_stride[1]) {
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+      for (int g = 0; g < GROUP; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GROUP; ++g) {
+    alignas(64) float row[HEAD_DIM];
+    const __m512 norm = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], norm));
+    for (int d = 0; d < HEAD_DIM; ++d) store(row[d], out + g * out_head_stride + d);
+  }
+}
+
+// Runs attend_avx512<T, HEAD_DIM, group> for group 1..8; false (nothing run) for other groups.
+template <typename T, int HEAD_DIM, int GROUP = 1>
+bool dispatch_group(int64_t group, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                    int64_t len, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
+                    float* scores, T* out, int64_t out_head_stride) {
+  if constexpr (GROUP > 8) {
+    return false;
+  } else {
+    if (group == GROUP) {
+      attend_avx512<T, HEAD_DIM, GROUP>(q, k_cache, v_cache, table, len, block_size, k_stride, v_stride, h, scores,
+                                        out, out_head_stride);
+      return true;
+    }
+    return dispatch_group<T, HEAD_DIM, GROUP + 1>(group, q, k_cache, v_cache, table, len, block_size, k_stride,
+                                                  v_stride, h, scores, out, out_head_stride);
+  }
+}
+#endif
+
 template <typename T>
 void decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
             const int32_t* context_lens, T* out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
@@ -68,68 +204,34 @@ void decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* b
     // up to 100x slower on x86. Results differ from IEEE only below 1.2e-38.
     const unsigned int saved_csr = _mm_getcsr();
     _mm_setcsr(saved_csr | 0x8040u);
-    std::vector<float> q(num_q_heads * head_dim), row(head_dim), acc(num_q_heads * head_dim), inv_sum(num_q_heads);
-    std::vector<float> scores;
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = context_lens[b];
+      T* out_b = out + b * out_stride[0];
       if (len <= 0) {  // nothing to attend to: defined as zeros
         for (int64_t hq = 0; hq < num_q_heads; ++hq)
-          for (int64_t d = 0; d < head_dim; ++d) store(0.0f, out + b * out_stride[0] + hq * out_stride[1] + d);
+          for (int64_t d = 0; d < head_dim; ++d) store(0.0f, out_b + hq * out_stride[1] + d);
         continue;
       }
-      for (int64_t hq = 0; hq < num_q_heads; ++hq) {
-        const T* src = query + b * q_stride[0] + hq * q_stride[1];
-        for (int64_t d = 0; d < head_dim; ++d) q[hq * head_dim + d] = load(src[d]) * scale;
-      }
-      scores.resize(num_q_heads * len);
+      scores.resize(group * len);
       const int32_t* table = block_tables + b * table_stride;
-      // One sequence per work item, all its heads: a token's K (or V) rows for every head are adjacent in the
-      // cache, so each block is read front to back once.
-      for (int64_t t = 0; t < len; ++t) {  // scores[hq, t] = q_hq . k_t
-        const T* k_token = k_cache + table[t / block_size] * k_stride[0] + (t % block_size) * k_stride[1];
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const T* k = k_token + h * k_stride[2];
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = load(k[d]);
-          for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-            const float* qh = q.data() + hq * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * row[d];
-            scores[hq * len + t] = dot;
-          }
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = query + b * q_stride[0] + (h * group + g) * q_stride[1];
+          for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = load(src[d]) * scale;
         }
-      }
-      for (int64_t hq = 0; hq < num_q_heads; ++hq) {  // softmax numerators in place
-        float* s = scores.data() + hq * len;
-        float max = s[0];
-#pragma omp simd reduction(max : max)
-        for (int64_t t = 1; t < len; ++t) max = s[t] > max ? s[t] : max;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = exp_nonpositive(s[t] - max);
-          sum += s[t];
-        }
-        inv_sum[hq] = 1.0f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {  // acc[hq] += p[hq, t] * v_t
-        const T* v_token = v_cache + table[t / block_size] * v_stride[0] + (t % block_size) * v_stride[1];
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const T* v = v_token + h * v_stride[2];
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = load(v[d]);
-          for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-            const float p = scores[hq * len + t];
-            float* a = acc.data() + hq * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
-          }
-        }
-      }
-      for (int64_t hq = 0; hq < num_q_heads; ++hq) {
-        T* dst = out + b * out_stride[0] + hq * out_stride[1];
-        for (int64_t d = 0; d < head_dim; ++d) store(acc[hq * head_dim + d] * inv_sum[hq], dst + d);
+        T* out_h = out_b + h * group * out_stride[1];
+#ifdef __AVX512F__
+        if (head_dim == 64 && dispatch_group<T, 64>(group, q.data(), k_cache, v_cache, table, len, block_size,
+                                                    k_stride, v_stride, h, scores.data(), out_h, out_stride[1]))
+          continue;
+        if (head_dim == 128 && dispatch_group<T, 128>(group, q.data(), k_cache, v_cache, table, len, block_size,
+                                                      k_stride, v_stride, h, scores.data(), out_h, out_stride[1]))
+          continue;
+#endif
+        attend(q.data(), k_cache, v_cache, table, len, group, head_dim, block_size, k_stride, v_stride, h,
+               scores.data(), acc.data(), out_h, out_stride[1]);
       }
     }
     _mm_setcsr(saved_csr);

@@ -58,6 +58,18 @@ def test_cpu_decode_matches_naive_and_reference(kernel, block_size, group, dtype
     assert_close(got, paged_decode_attention_reference(*args), ATOL[dtype], "cpu kernel vs torch reference")
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("head_dim, group", [(128, 2), (64, 12), (40, 3)])
+def test_cpu_decode_other_head_sizes_and_groups(kernel, head_dim, group, dtype):
+    """head_dim 128 (the AVX-512 path's other size), a group beyond its 1-8, and a head_dim it does not take:
+    the last two run the portable loop on every CPU."""
+    lens = [5, 70]
+    kv, query, context_lens = _setup(lens, 16, group, head_dim, dtype, seed=5)
+    scale = default_scale(head_dim)
+    got = kernel(query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale)
+    assert_close(got, _naive(kv, query, lens, scale), ATOL[dtype], "cpu kernel vs float64")
+
+
 def test_cpu_decode_large_score_range_and_strided_query(kernel):
     """Scores spanning hundreds of units (most probabilities underflow to 0, as with attention sinks), a query
     that is a view into a wider QKV tensor, head_dim not a multiple of the vector width, and a preallocated

@@ -12,7 +12,7 @@
 // 1 to 8, an intrinsics path keeps the group's queries and accumulators in registers and converts each K/V row
 // to fp32 once for the whole group; everything else runs a portable loop that the compiler vectorises.
 // Measured on the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380, one layer, K/V not in cache):
-// portable loop 630 us, AVX-512 path 410-450 us, torch's gather + SDPA 1,000-1,400 us.
+// portable loop 630 us, AVX-512 path 410-500 us, torch's gather + SDPA 1,000-1,400 us.
 //
 // exp: Cephes-style expf (S. L. Moshier, Cephes Math Library, expf.c): x = n*ln2 + r with |r| <= ln2/2,
 // exp(r) by a degree-6 polynomial (Cephes' coefficients), 2^n by building the float's exponent field; written

@@ -5,7 +5,7 @@ Why: the torch reference (:func:`kernels.paged_decode.paged_decode_attention_ref
 sequence's K/V out of its blocks into a padded ``[B, Hkv, L, D]`` tensor, then run torch's attention with the
 padding masked. On the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380) that copy plus
 attention took 1.0-1.4 ms per layer, 45 % of the step; this kernel reads each cached token once, where it lies,
-in 0.41-0.45 ms (AVX-512 path; see the .cpp for its two paths).
+in 0.41-0.50 ms (AVX-512 path; see the .cpp for its two paths).
 
 Contract: the same as :func:`kernels.paged_decode.paged_decode_attention` (query ``[B, Hq, D]``, caches
 ``[num_blocks, block_size, Hkv, D]``, int32 block tables ``[B, max_blocks_per_seq]`` and ``context_lens [B]``;

@@ -9,9 +9,12 @@ so every peer does the same work), SmolLM2-135M-Instruct. Peers:
   (c) our engine offline (`LLMEngine.generate`, all requests at once),
   (d) our engine through tritonserver: the `llm` model over gRPC streaming at concurrency 32.
 All peers use the same dtype (--dtype, default: what the engine picks for this device). Output tok/s =
-generated tokens / wall seconds including prefill. Writes benchmarks/results/engine.json and engine.png.
+generated tokens / wall seconds including prefill. This machine's speed drifts by 10-20 % over minutes, so every
+peer runs --rounds times (default 3), interleaved (a, b, c, d, a, b, ...); each peer reports its median run, the
+ratios are ratios of medians, and the JSON keeps every run and the ratios within each round. Writes
+benchmarks/results/engine.json and engine.png.
 
-Usage: .venv/bin/python scripts/bench_engine.py [--requests 64] [--new-tokens 128] [--concurrency 32]
+Usage: .venv/bin/python scripts/bench_engine.py [--requests 64] [--new-tokens 128] [--concurrency 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -179,9 +182,14 @@ def plot(results: dict, path: Path) -> None:
     names = [k for k in labels if k in results["peers"]]
     values = [results["peers"][k]["output_tok_s"] for k in names]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.barh([labels[k] for k in names], values, color=["#999", "#999", "#2a7", "#27a"][:len(names)])
-    ax.bar_label(bars, fmt="%.0f tok/s")
-    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.barh([labels[k] for k in names], values, color=["#999", "#999", "#2a7", "#27a"][:len(names)])
+    top = max(max(results["peers"][k]["output_tok_s_runs"]) for k in names)
+    for row, name in enumerate(names):  # every round's run as a tick, the median as the bar and the label
+        runs = results["peers"][name]["output_tok_s_runs"]
+        ax.plot(runs, [row] * len(runs), "k|", markersize=12)
+        ax.text(max(runs) + 0.02 * top, row, f"{values[row]:.0f} tok/s", va="center")
+    ax.set_xlim(0, 1.25 * top)
+    ax.set_xlabel("output tokens / s (higher is better; bar: median round, ticks: every round)")
     ax.set_title(f"SmolLM2-135M, {results['workload']['requests']} req x {results['workload']['new_tokens']} "
                  f"tokens, {results['dtype']}, {results['machine']}")
     ax.invert_yaxis()
@@ -206,6 +214,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--hf-single-requests", type=int, default=8)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run every peer this many times, interleaved; report each peer's median run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf_single", "hf_batch8", "engine_offline",
                                                                   "engine_triton"])
     args = parser.parse_args()
@@ -224,22 +234,29 @@ def main() -> None:
         "engine_offline": lambda: bench_engine_offline(prompts, args.new_tokens, dtype_name),
         "engine_triton": lambda: bench_triton(prompts, args.new_tokens, args.concurrency, dtype_name),
     }
-    for name, run in peers.items():
-        if name in args.skip:
-            continue
-        print(f"running {name} ...", flush=True)
-        results["peers"][name] = run()
-        print(f"  {name}: {results['peers'][name]['output_tok_s']:.1f} tok/s "
-              f"({results['peers'][name]['seconds']:.1f} s)", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in peers if name not in args.skip}
+    for round_index in range(args.rounds):  # peers interleaved, so each round sees one phase of the machine
+        for name in runs:
+            print(f"round {round_index + 1}/{args.rounds}: running {name} ...", flush=True)
+            runs[name].append(peers[name]())
+            print(f"  {name}: {runs[name][-1]['output_tok_s']:.1f} tok/s ({runs[name][-1]['seconds']:.1f} s)",
+                  flush=True)
+    for name, peer_runs in runs.items():  # the median run of each peer (by tok/s), with every run's rate
+        median = sorted(peer_runs, key=lambda r: r["output_tok_s"])[len(peer_runs) // 2]
+        results["peers"][name] = {**median, "output_tok_s_runs": [r["output_tok_s"] for r in peer_runs]}
     p = results["peers"]
-    ratios = {}
+    ratios, per_round = {}, {}
     for num, den in (("engine_triton", "hf_single"), ("engine_triton", "hf_batch8"),
                      ("engine_triton", "engine_offline"), ("engine_offline", "hf_single")):
         if num in p and den in p:
             ratios[f"{num}/{den}"] = p[num]["output_tok_s"] / p[den]["output_tok_s"]
+            per_round[f"{num}/{den}"] = [a / b for a, b in zip(p[num]["output_tok_s_runs"],
+                                                               p[den]["output_tok_s_runs"])]
     results["ratios"] = ratios
+    results["ratios_per_round"] = per_round
     for key, value in ratios.items():
-        print(f"{key}: {value:.2f}x")
+        rounds = ", ".join(f"{r:.2f}" for r in per_round[key])
+        print(f"{key}: {value:.2f}x (medians; per round: {rounds})")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, RESULTS / "engine.png")

@@ -11,15 +11,22 @@
 // Two paths: with AVX-512 (compiled with -march=native on a CPU that has it), head_dim 64 or 128 and groups of
 // 1 to 8, an intrinsics path keeps the group's queries and accumulators in registers and converts each K/V row
 // to fp32 once for the whole group; everything else runs a portable loop that the compiler vectorises.
-// Measured on the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380, one layer, K/V not in cache):
-// portable loop 630 us, AVX-512 path 410-500 us, torch's gather + SDPA 1,000-1,400 us.
+// Measured on the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380, one layer, K/V not in cache)
+// with the blocks in allocation order, as in a fresh engine: portable loop 630 us, AVX-512 path 410-500 us,
+// torch's gather + SDPA 1,000-1,400 us. With the blocks scattered at random (a long-running engine;
+// scripts/bench_cpu_decode.py): AVX-512 path 690-720 us against 1,280-1,370 us; prefetching the next block's
+// rows (its address is in the block table, where no hardware prefetcher looks) took 4-6 % off there.
 //
 // exp: Cephes-style expf (S. L. Moshier, Cephes Math Library, expf.c): x = n*ln2 + r with |r| <= ln2/2,
 // exp(r) by a degree-6 polynomial (Cephes' coefficients), 2^n by building the float's exponent field; written
 // with plain arithmetic so the compiler vectorises it. Relative error about 2e-7 on the range used (x <= 0).
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define OMNI_X86 1
+#endif
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,23 +34,67 @@
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(uint16_t bf16) {  // bfloat16 is the top half of a float32
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+// The two 16-bit float formats, as their bits (no compiler float16 type is needed: GCC has _Float16 on x86 only
+// from version 12).
+struct bf16 {
+  uint16_t bits;
+};
+struct fp16 {
+  uint16_t bits;
+};
+
+inline float from_bits(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline float load(_Float16 x) { return static_cast<float>(x); }
+inline uint32_t to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+inline float load(float x) { return x; }
+inline float load(bf16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }  // the top half of a float32
+inline float load(fp16 x) {
+#ifdef __F16C__
+  return _cvtsh_ss(x.bits);
+#else  // IEEE 754 binary16 -> binary32, exact
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1Fu, mantissa = x.bits & 0x3FFu;
+  if (exponent == 0x1F) return from_bits(sign | 0x7F800000u | (mantissa << 13));  // inf, nan
+  if (exponent != 0) return from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13));  // rebias 15 -> 127
+  return from_bits(sign | to_bits(static_cast<float>(mantissa) * 5.9604644775390625e-8f));  // mantissa * 2^-24
+#endif
+}
 
 inline void store(float x, float* out) { *out = x; }
-inline void store(float x, uint16_t* out) {  // round to nearest even (inputs are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
+inline void store(float x, bf16* out) {  // round to nearest even (the kernel's values are finite)
+  uint32_t bits = to_bits(x);
   bits += 0x7FFFu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
+  out->bits = static_cast<uint16_t>(bits >> 16);
 }
-inline void store(float x, _Float16* out) { *out = static_cast<_Float16>(x); }
+inline void store(float x, fp16* out) {  // round to nearest even
+#ifdef __F16C__
+  out->bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t bits = to_bits(x);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  bits &= 0x7FFFFFFFu;
+  if (bits >= 0x7F800000u) {  // inf, nan
+    out->bits = sign | 0x7C00u | (bits > 0x7F800000u ? 0x200u : 0u);
+  } else if (bits >= 0x477FF000u) {  // >= 65520 rounds past the largest half (65504)
+    out->bits = sign | 0x7C00u;
+  } else if (bits < 0x38800000u) {  // below 2^-14: a subnormal half, mantissa = x * 2^24 rounded to even
+    out->bits = sign | static_cast<uint16_t>(std::nearbyint(from_bits(bits) * 16777216.0f));
+  } else {  // normal: rebias the exponent, round 23 mantissa bits to 10 (a carry moves into the exponent)
+    uint32_t half = (bits - 0x38000000u) >> 13;
+    const uint32_t rest = bits & 0x1FFFu;
+    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) half += 1;
+    out->bits = sign | static_cast<uint16_t>(half);
+  }
+#endif
+}
 
 inline float exp_nonpositive(float x) {  // exp(x) for x <= 0; 0 below -87 (float underflow)
   const float clamped = x < -87.0f ? -87.0f : x;
@@ -64,13 +115,13 @@ inline float exp_nonpositive(float x) {  // exp(x) for x <= 0; 0 below -87 (floa
 
 // Replaces s[0..len) by exp(s - max(s)) and returns their sum (len >= 1).
 inline float softmax_numerators(float* s, int64_t len) {
-  float max = s[0];
-#pragma omp simd reduction(max : max)
-  for (int64_t t = 1; t < len; ++t) max = s[t] > max ? s[t] : max;
+  float top = s[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t t = 1; t < len; ++t) top = s[t] > top ? s[t] : top;
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    s[t] = exp_nonpositive(s[t] - max);
+    s[t] = exp_nonpositive(s[t] - top);
     sum += s[t];
   }
   return sum;
@@ -115,16 +166,28 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
+// Prefetches the `head_dim` elements of head h in every row of the block that holds token `start`, if start < len:
+// the next block's address comes from the block table, which the hardware prefetchers cannot follow.
+template <typename T>
+inline void prefetch_block(const T* cache, const int32_t* table, int64_t start, int64_t len, int64_t block_size,
+                           const int64_t* stride, int64_t h, int64_t head_dim) {
+  if (start >= len) return;
+  const T* row = cache + table[start / block_size] * stride[0] + h * stride[2];
+  const int64_t rows = start + block_size < len ? block_size : len - start;
+  for (int64_t r = 0; r < rows; ++r, row += stride[1])
+    for (int64_t e = 0; e < head_dim; e += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + e);
+}
+
 #ifdef __AVX512F__
 // AVX-512 path, same contract as `attend` with head_dim = HEAD_DIM (a multiple of 16: C vectors) and GROUP
 // query heads per KV head: a token's K (then V) row is converted to fp32 once for the whole group, the group's
 // query vectors and P @ V accumulators stay in registers, and a score costs C fused multiply-adds and one
 // horizontal sum.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
+inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-inline __m512 load16(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 load16(const fp16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
 template <typename T, int HEAD_DIM, int GROUP>
 void attend_avx512(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
@@ -135,6 +198,7 @@ void attend_avx512(const float* q, const T* k_cache, const T* v_cache, const int
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * HEAD_DIM + 16 * c);
   for (int64_t start = 0; start < len; start += block_size) {  // block by block: no division per token
+    prefetch_block(k_cache, table, start + block_size, len, block_size, k_stride, h, HEAD_DIM);
     const T* k = k_cache + table[start / block_size] * k_stride[0] + h * k_stride[2];
     const int64_t end = start + block_size < len ? start + block_size : len;
     for (int64_t t = start; t < end; ++t, k += k_stride[1]) {
@@ -153,6 +217,7 @@ void attend_avx512(const float* q, const T* k_cache, const T* v_cache, const int
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t start = 0; start < len; start += block_size) {
+    prefetch_block(v_cache, table, start + block_size, len, block_size, v_stride, h, HEAD_DIM);
     const T* v = v_cache + table[start / block_size] * v_stride[0] + h * v_stride[2];
     const int64_t end = start + block_size < len ? start + block_size : len;
     for (int64_t t = start; t < end; ++t, v += v_stride[1]) {
@@ -191,31 +256,44 @@ bool dispatch_group(int64_t group, const float* q, const T* k_cache, const T* v_
 }
 #endif
 
+// Returns -1, or the first row (in the order the threads met them) whose context length needs more than
+// `max_blocks` blocks or whose block table names a block outside [0, num_blocks): such rows are left as zeros.
 template <typename T>
-void decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-            const int32_t* context_lens, T* out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-            int64_t head_dim, int64_t block_size, const int64_t* q_stride, const int64_t* k_stride,
-            const int64_t* v_stride, int64_t table_stride, const int64_t* out_stride, float scale) {
+int64_t decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+               const int32_t* context_lens, T* out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+               int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
+               const int64_t* q_stride, const int64_t* k_stride, const int64_t* v_stride, int64_t table_stride,
+               const int64_t* out_stride, float scale) {
   const int64_t group = num_q_heads / num_kv_heads;
+  std::atomic<int64_t> bad_row{-1};
 #pragma omp parallel
   {
+#ifdef OMNI_X86
     // Flush denormals to zero (FTZ | DAZ) in this thread while it runs the kernel: a softmax over real scores
     // has many probabilities near 0, and their products with V would otherwise be denormal floats, which are
     // up to 100x slower on x86. Results differ from IEEE only below 1.2e-38.
     const unsigned int saved_csr = _mm_getcsr();
     _mm_setcsr(saved_csr | 0x8040u);
+#endif
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = context_lens[b];
       T* out_b = out + b * out_stride[0];
-      if (len <= 0) {  // nothing to attend to: defined as zeros
+      const int32_t* table = block_tables + b * table_stride;
+      const int64_t blocks = len > 0 ? (len + block_size - 1) / block_size : 0;
+      bool valid = blocks <= max_blocks;
+      for (int64_t i = 0; valid && i < blocks; ++i) valid = table[i] >= 0 && table[i] < num_blocks;
+      if (!valid) {
+        int64_t none = -1;
+        bad_row.compare_exchange_strong(none, b);
+      }
+      if (len <= 0 || !valid) {  // nothing to attend to (or nothing safe to read): zeros
         for (int64_t hq = 0; hq < num_q_heads; ++hq)
           for (int64_t d = 0; d < head_dim; ++d) store(0.0f, out_b + hq * out_stride[1] + d);
         continue;
       }
       scores.resize(group * len);
-      const int32_t* table = block_tables + b * table_stride;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         for (int64_t g = 0; g < group; ++g) {
           const T* src = query + b * q_stride[0] + (h * group + g) * q_stride[1];
@@ -234,23 +312,28 @@ void decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* b
                scores.data(), acc.data(), out_h, out_stride[1]);
       }
     }
+#ifdef OMNI_X86
     _mm_setcsr(saved_csr);
+#endif
   }
+  return bad_row.load();
 }
 
 }  // namespace
 
-#define DEFINE_DECODE(NAME, T)                                                                                    \
-  extern "C" void NAME(const void* query, const void* k_cache, const void* v_cache, const int32_t* block_tables, \
-                       const int32_t* context_lens, void* out, int64_t batch, int64_t num_q_heads,               \
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, const int64_t* q_stride,      \
-                       const int64_t* k_stride, const int64_t* v_stride, int64_t table_stride,                   \
-                       const int64_t* out_stride, float scale) {                                                 \
-    decode<T>(static_cast<const T*>(query), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),      \
-              block_tables, context_lens, static_cast<T*>(out), batch, num_q_heads, num_kv_heads, head_dim,      \
-              block_size, q_stride, k_stride, v_stride, table_stride, out_stride, scale);                        \
+#define DEFINE_DECODE(NAME, T)                                                                                   \
+  extern "C" int64_t NAME(const void* query, const void* k_cache, const void* v_cache,                         \
+                          const int32_t* block_tables, const int32_t* context_lens, void* out, int64_t batch,   \
+                          int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,     \
+                          int64_t num_blocks, int64_t max_blocks, const int64_t* q_stride,                     \
+                          const int64_t* k_stride, const int64_t* v_stride, int64_t table_stride,              \
+                          const int64_t* out_stride, float scale) {                                            \
+    return decode<T>(static_cast<const T*>(query), static_cast<const T*>(k_cache),                             \
+                     static_cast<const T*>(v_cache), block_tables, context_lens, static_cast<T*>(out), batch,  \
+                     num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks, q_stride,        \
+                     k_stride, v_stride, table_stride, out_stride, scale);                                     \
   }
 
 DEFINE_DECODE(paged_decode_f32, float)
-DEFINE_DECODE(paged_decode_bf16, uint16_t)
-DEFINE_DECODE(paged_decode_f16, _Float16)
+DEFINE_DECODE(paged_decode_bf16, bf16)
+DEFINE_DECODE(paged_decode_f16, fp16)

@@ -5,7 +5,8 @@ Why: the torch reference (:func:`kernels.paged_decode.paged_decode_attention_ref
 sequence's K/V out of its blocks into a padded ``[B, Hkv, L, D]`` tensor, then run torch's attention with the
 padding masked. On the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380) that copy plus
 attention took 1.0-1.4 ms per layer, 45 % of the step; this kernel reads each cached token once, where it lies,
-in 0.41-0.50 ms (AVX-512 path; see the .cpp for its two paths).
+in 0.41-0.50 ms with the blocks in allocation order and about 0.7 ms with them scattered (AVX-512 path; see the
+.cpp for its two paths and scripts/bench_cpu_decode.py).
 
 Contract: the same as :func:`kernels.paged_decode.paged_decode_attention` (query ``[B, Hq, D]``, caches
 ``[num_blocks, block_size, Hkv, D]``, int32 block tables ``[B, max_blocks_per_seq]`` and ``context_lens [B]``;
@@ -13,11 +14,13 @@ output ``[B, Hq, D]`` in the query dtype; rows with ``context_lens == 0`` are ze
 Precision: scores, softmax and the ``P @ V`` accumulation in fp32, the result rounded once to the cache dtype
 (at least as precise as the Triton kernel, which rounds P to the input dtype).
 
-Build: ``g++ -O3 -march=native -fopenmp`` (``$CXX`` overrides the compiler) into
+Build: ``g++ -O3 -march=native -fopenmp`` (``$CXX`` overrides the compiler; GCC 11 and later, or clang) into
 ``<build_dir>/paged_decode_cpu-<hash>.so``, where the hash covers the source, the compiler's version and the
-CPU's feature flags, so a cache folder shared between machines never loads code built for another CPU. The
-build writes a temporary file and renames it, so concurrent first uses (several Triton stubs) are safe. The
-library links libgomp by soname and so shares torch's OpenMP runtime and thread count.
+CPU's feature list (x86 ``flags``, Arm ``Features``), so a cache folder shared between machines never loads code
+built for another CPU. The build writes a temporary file and renames it, so concurrent first uses (several
+Triton stubs) are safe. The AVX-512 path needs an x86 CPU with AVX-512; elsewhere the portable loop runs. The
+library links libgomp by soname: with torch's own ``libgomp.so.1`` already loaded (torch 2.13's CPU wheel) it
+joins that runtime and its thread count.
 """
 
 from __future__ import annotations
@@ -36,23 +39,65 @@ from kernels.paged_decode import _check
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+_COMPILE_TIMEOUT_S = 300
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-             ctypes.c_float]
+_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+             _PTR, ctypes.c_float]
 
 
 class CpuKernelUnavailable(RuntimeError):
-    """The C++ kernel cannot be built or loaded here (no compiler, or the compile failed); the message says why."""
+    """The C++ kernel cannot be built or loaded here (no compiler, a failed or timed-out compile, an unwritable
+    build folder, a library that does not load); the message says why."""
 
 
-def _cpu_flags() -> str:
+def _cpu_features() -> str:
+    """The CPU's feature list from /proc/cpuinfo (x86 "flags", Arm "Features"), "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+
+
+def _build(build_dir: Path) -> Path:
+    """Compile SOURCE into build_dir unless a library for this source, compiler, flags and CPU is there already.
+
+    Raises:
+        CpuKernelUnavailable: as the class says.
+    """
+    name = os.environ.get("CXX", "g++")
+    compiler = shutil.which(name)
+    if compiler is None:
+        raise CpuKernelUnavailable(f"no C++ compiler ({name}) on PATH")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
+                                 timeout=60).stdout
+        source = SOURCE.read_bytes()
+        digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                            _cpu_features().encode()])).hexdigest()[:16]
+        path = build_dir / f"paged_decode_cpu-{digest}.so"
+        if path.exists():
+            return path
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=_COMPILE_TIMEOUT_S)
+            if done.returncode != 0:
+                raise CpuKernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it 0600: let other users of a shared cache load it
+            os.replace(tmp, path)
+            return path
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CpuKernelUnavailable(f"building {SOURCE.name} with {compiler} failed: {exc}") from exc
 
 
 class CpuPagedDecode:
@@ -62,44 +107,19 @@ class CpuPagedDecode:
         build_dir: folder for the compiled library (created if missing).
 
     Raises:
-        CpuKernelUnavailable: no C++ compiler, the compile failed, or the library does not load.
+        CpuKernelUnavailable: as the class says.
     """
 
     def __init__(self, build_dir: str | os.PathLike):
-        compiler = shutil.which(os.environ.get("CXX", "g++"))
-        if compiler is None:
-            raise CpuKernelUnavailable(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
-        try:
-            version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        except (OSError, subprocess.CalledProcessError) as exc:
-            raise CpuKernelUnavailable(f"{compiler} --version failed: {exc}") from exc
-        source = SOURCE.read_bytes()
-        digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
-                                            _cpu_flags().encode()])).hexdigest()[:16]
-        build_dir = Path(build_dir)
-        self.path = build_dir / f"paged_decode_cpu-{digest}.so"
-        if not self.path.exists():
-            build_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so.tmp")
-            os.close(fd)
-            try:
-                done = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise CpuKernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-                os.replace(tmp, self.path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        self.path = _build(Path(build_dir))
         try:
             library = ctypes.CDLL(str(self.path))
-        except OSError as exc:
+            self._functions = {dtype: getattr(library, symbol) for dtype, symbol in _SYMBOLS.items()}
+        except (OSError, AttributeError) as exc:
             raise CpuKernelUnavailable(f"loading {self.path} failed: {exc}") from exc
-        self._functions = {}
-        for dtype, symbol in _SYMBOLS.items():
-            function = getattr(library, symbol)
+        for function in self._functions.values():
             function.argtypes = _ARGTYPES
-            function.restype = None
-            self._functions[dtype] = function
+            function.restype = ctypes.c_int64
 
     def __call__(
         self,
@@ -118,9 +138,14 @@ class CpuPagedDecode:
         ``num_splits`` and ``workspace`` are validated (same contract as the Triton kernel) but unused: the
         kernel parallelises over sequences.
 
+        Rows with ``context_lens <= 0`` are zeros. Unlike the Triton kernel (which cannot look without a device
+        sync), this one checks every block it would read: a row whose length needs more blocks than the table has
+        columns, or whose table names a block outside the cache, raises (nothing is read out of bounds). It runs
+        on the calling thread's OpenMP team, with the GIL released (ctypes).
+
         Raises:
             ValueError: the inputs break the contract (as the Triton kernel's checks), a tensor is not on the
-                CPU, or a last dimension is not contiguous.
+                CPU, a last dimension is not contiguous, or a row's length or block table is out of range.
         """
         _check(query, k_cache, v_cache, block_tables, context_lens, num_splits, out, workspace)
         for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -135,10 +160,15 @@ class CpuPagedDecode:
         batch, num_q_heads, head_dim = query.shape
         if batch == 0:
             return out
-        _, block_size, num_kv_heads, _ = k_cache.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, k_cache, v_cache, out)]
-        self._functions[query.dtype](
+        bad_row = self._functions[query.dtype](
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim, block_size,
-            strides[0], strides[1], strides[2], block_tables.stride(0), strides[3], scale)
+            num_blocks, block_tables.shape[1], strides[0], strides[1], strides[2], block_tables.stride(0),
+            strides[3], scale)
+        if bad_row >= 0:
+            raise ValueError(f"row {bad_row}: context length {int(context_lens[bad_row])} needs blocks past the "
+                             f"block table's {block_tables.shape[1]} columns, or its block table names a block "
+                             f"outside [0, {num_blocks})")
         return out

@@ -215,10 +215,13 @@ def main() -> None:
     parser.add_argument("--hf-single-requests", type=int, default=8)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="run every peer this many times, interleaved; report each peer's median run")
+                        help="run every peer this many times, interleaved; report each peer's median run "
+                             "(the upper one of the middle two for an even count)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf_single", "hf_batch8", "engine_offline",
                                                                   "engine_triton"])
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     dtype = select_dtype(args.dtype, torch.device("cpu"))
     dtype_name = str(dtype).removeprefix("torch.")
     from transformers import AutoConfig

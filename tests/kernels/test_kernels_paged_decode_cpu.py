@@ -1,6 +1,7 @@
 """The C++ CPU paged decode kernel vs naive float64 attention and the torch reference, on NaN-poisoned caches."""
 
 import os
+import platform
 import shutil
 
 import pytest
@@ -17,8 +18,19 @@ NUM_KV_HEADS = 2
 CPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernel(request, tmp_path_factory):
+    """The kernel as the engine builds it, and (x86) built without AVX-512 and F16C: the portable loop and the
+    software float16 conversions, which CPUs without those features run."""
+    if request.param == "portable":
+        if not X86:
+            pytest.skip("the portable build is what non-x86 machines run already")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(paged_decode_cpu, "_FLAGS", paged_decode_cpu._FLAGS + ["-mno-avx512f", "-mno-f16c"])
+            return CpuPagedDecode(tmp_path_factory.mktemp("cpu_kernels_portable"))
     return CpuPagedDecode(tmp_path_factory.mktemp("cpu_kernels"))
 
 
@@ -70,22 +82,67 @@ def test_cpu_decode_other_head_sizes_and_groups(kernel, head_dim, group, dtype):
     assert_close(got, _naive(kv, query, lens, scale), ATOL[dtype], "cpu kernel vs float64")
 
 
-def test_cpu_decode_large_score_range_and_strided_query(kernel):
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_cpu_decode_large_score_range_and_strided_tensors(kernel, head_dim):
     """Scores spanning hundreds of units (most probabilities underflow to 0, as with attention sinks), a query
-    that is a view into a wider QKV tensor, head_dim not a multiple of the vector width, and a preallocated
-    `out` larger than the batch."""
-    head_dim, group, scale = 24, 2, 3.0
+    that is a view into a wider QKV tensor, a V cache laid out unlike the K cache, a preallocated `out` larger
+    than the batch with a head stride other than head_dim, and head_dim 24 (not a multiple of the vector width)."""
+    group, scale = 2, 3.0
     lens = [9, 40, 200]
     kv, _, context_lens = _setup(lens, 16, group, head_dim, torch.float32, seed=3)
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(len(lens), NUM_KV_HEADS * group + 7, head_dim, generator=gen) * 4
     query = qkv[:, 3 : 3 + NUM_KV_HEADS * group]
-    big_out = torch.full((8, query.shape[1], head_dim), float("nan"))
-    out = big_out[: len(lens)]
-    got = kernel(query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale, out=out)
+    wide = torch.full(kv.v_cache.shape[:2] + (NUM_KV_HEADS + 1, head_dim + 8), float("nan"))
+    v_cache = wide[:, :, 1:, 8:]  # other block, token and head strides than k_cache
+    v_cache.copy_(kv.v_cache)
+    big_out = torch.full((8, query.shape[1], head_dim + 5), float("nan"))
+    out = big_out[: len(lens), :, :head_dim]
+    got = kernel(query, kv.k_cache, v_cache, kv.block_tables, context_lens, scale, out=out)
     assert got is out
     assert_close(out, _naive(kv, query, lens, scale), ATOL[torch.float32], "cpu kernel vs float64")
     assert torch.isnan(big_out[len(lens):]).all(), "rows past the batch must not be written"
+    assert torch.isnan(big_out[:, :, head_dim:]).all(), "columns past head_dim must not be written"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_cpu_decode_rounds_once_to_nearest_even(kernel, dtype):
+    """A zero query scores every token alike: the output is the mean of the V rows, computed in fp32 and
+    rounded once. One token gives its V row bit for bit; two give (v0 + v1) / 2 rounded as torch rounds."""
+    lens = [1, 2]
+    kv, query, context_lens = _setup(lens, 16, 4, 64, dtype, seed=6)
+    got = kernel(torch.zeros_like(query), kv.k_cache, kv.v_cache, kv.block_tables, context_lens, 1.0)
+    rows = [torch.stack([kv.v_cache[int(kv.block_tables[b, 0]), t] for t in range(n)]) for b, n in enumerate(lens)]
+    group = query.shape[1] // NUM_KV_HEADS
+    expected = [r.float().mean(0).to(dtype).repeat_interleave(group, 0) for r in rows]
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[0], rows[0][0].repeat_interleave(group, 0))
+    assert torch.equal(got[1], expected[1])
+
+
+def test_cpu_decode_leaves_the_callers_float_mode_alone(kernel):
+    """The kernel flushes denormals in its threads (FTZ/DAZ) and must restore the calling thread's mode."""
+    tiny = float("5e-324")  # the smallest double: DAZ would read it as 0
+    kv, query, context_lens = _setup([30], 16, 2, 64, torch.float32)
+    kernel(query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, 1.0)
+    assert tiny * 1.5 > 0.0 and torch.tensor([1e-40]).mul(1.0).item() > 0.0
+
+
+def test_cpu_decode_refuses_reads_outside_the_cache(kernel):
+    """A length past the block table's columns or a block id outside the cache raises instead of reading
+    memory that is not the cache; the next call works."""
+    kv, query, context_lens = _setup([20, 9], 16, 2, 64, torch.float32)
+    args = (query, kv.k_cache, kv.v_cache)
+    width = kv.block_tables.shape[1]
+    with pytest.raises(ValueError, match="row 0"):
+        kernel(*args, kv.block_tables, torch.tensor([width * 16 + 1, 9], dtype=torch.int32), 1.0)
+    for bad_block in (-1, kv.k_cache.shape[0]):
+        tables = kv.block_tables.clone()
+        tables[1, 0] = bad_block
+        with pytest.raises(ValueError, match="row 1"):
+            kernel(*args, tables, context_lens, 1.0)
+    ok = kernel(*args, kv.block_tables, context_lens, 1.0)
+    assert_close(ok, paged_decode_attention_reference(*args, kv.block_tables, context_lens, 1.0),
+                 ATOL[torch.float32], "after refused calls")
 
 
 def test_cpu_decode_rejects_bad_inputs(kernel):
@@ -116,10 +173,16 @@ def test_build_is_cached_and_failures_say_why(tmp_path, monkeypatch):
     assert CpuPagedDecode(tmp_path).path == first.path and first.path.stat().st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name], "no temporary files left behind"
 
+    umask = os.umask(0)
+    os.umask(umask)
+    assert first.path.stat().st_mode & 0o777 == 0o755 & ~umask, "mode as the umask allows, not mkstemp's 0600"
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(CpuKernelUnavailable, match="no C\\+\\+ compiler"):
         CpuPagedDecode(tmp_path / "other")
     monkeypatch.delenv("CXX")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CpuKernelUnavailable, match="building paged_decode_cpu.cpp"):
+        CpuPagedDecode(tmp_path / "a-file" / "kernels")  # the build folder cannot be made
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(paged_decode_cpu, "SOURCE", broken)

@@ -7,6 +7,8 @@ power and temperature while requests run.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 import time
 import urllib.request
@@ -108,7 +110,9 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     assert delta("omni_engine_steps_total", mode="eager") >= max(completion)  # CPU: every step eager
     assert value(after, "omni_engine_steps_total", mode="cuda_graph") == 0
     assert "omni_cuda_graph_padded_rows_total" in after
-    assert value(after, "omni_attention_backend", backend="cpu") == 1  # the C++ decode kernel (CPU default)
+    # the C++ decode kernel (CPU default), or torch where there is no compiler to build it
+    cpu_kernel_buildable = shutil.which(os.environ.get("CXX", "g++")) is not None
+    assert value(after, "omni_attention_backend", backend="cpu" if cpu_kernel_buildable else "torch") == 1
     # governor and GPU readings (the fake GPU: 120 W of 300, 50 C)
     gpu = server.fake_gpu
     assert value(after, "omni_governor_state") == 1 and value(after, "omni_governor_max_num_seqs") == 8

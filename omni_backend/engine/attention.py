@@ -37,7 +37,7 @@ class AttentionMetadata:
         decode_context_lens: int32 [D], KV length of each decode sequence including its new token.
         decode_block_tables: int32 [D, max_blocks_per_seq].
         decode_gather: the torch backend's cache slots of the decode rows, built by its first layer of the
-            step and reused by the others (None until then, and always with the triton backend).
+            step and reused by the others (None until then, and always with the triton and cpu backends).
     """
 
     slot_mapping: torch.Tensor

@@ -30,15 +30,13 @@ sys.path.insert(0, str(ROOT))
 
 from kernels.paged_decode import paged_decode_attention_reference  # noqa: E402
 from kernels.paged_decode_cpu import CpuPagedDecode  # noqa: E402
-from omni_backend.ops.memory_env import memory_environment  # noqa: E402
+from omni_backend.ops.memory_env import reexec_with_memory_environment  # noqa: E402
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM, BATCH = 30, 1456, 16, 3, 3, 64, 32
 
 
 def main() -> None:
-    missing = {name: value for name, value in memory_environment().items() if name not in os.environ}
-    if missing:  # the server's allocator settings, read at process start (as scripts/bench_engine.py does)
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **missing})
+    reexec_with_memory_environment()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

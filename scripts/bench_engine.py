@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import queue
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.ops.hardware import select_dtype
-from omni_backend.ops.memory_env import memory_environment
+from omni_backend.ops.memory_env import memory_environment, reexec_with_memory_environment
 from omni_backend.triton_server import TritonServer
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
@@ -197,17 +196,8 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def rerun_under_memory_environment() -> None:
-    """Re-exec this script with the server's glibc and oneDNN settings (omni_backend/ops/memory_env.py) where
-    the environment lacks them: they are read at process start, and without them the in-process peers fault
-    in pages the server's engine keeps, so (c) and (d) would not run under the same conditions."""
-    missing = {name: value for name, value in memory_environment().items() if name not in os.environ}
-    if missing:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **missing})
-
-
 def main() -> None:
-    rerun_under_memory_environment()
+    reexec_with_memory_environment()  # (c) and (d) then run under the same settings as the server
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -59,6 +59,10 @@ def scrape_until(server, condition, what: str) -> dict:
     return found["samples"]
 
 
+# Decode on the CI machine (2 cores, SmolLM2, one sequence): about 20 ms per token.
+LONG_TOKENS = 256
+CRITICAL_LONG_TOKENS = 480
+
 HISTOGRAMS = ("omni_time_to_first_token_seconds", "omni_inter_token_latency_seconds",
               "omni_e2e_request_latency_seconds", "omni_queue_time_seconds")
 
@@ -67,8 +71,11 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     server = governed_server
     before = scrape(server)
     long_result = {}
+    # Long enough (about 5 s of decode steps on the 2-core CI machine) to be seen running by a scrape: the stage
+    # publishes once a second, and at 48 tokens the C++ decode kernel finished it before some publications.
     long = threading.Thread(target=lambda: long_result.update(r=stream_infer(server.grpc_url, {
-        "text_input": "Count slowly:", "max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0})))
+        "text_input": "Count slowly:", "max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True,
+        "temperature": 0})))
     long.start()
     during = scrape_until(server, lambda s: value(s, "omni_requests_running") == 1, "a running request")
     assert value(during, "omni_kv_cache_blocks_used") >= 1
@@ -127,8 +134,11 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
 def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(governed_server):
     server = governed_server
     long_result = {}
+    # Still running after the scrape that sees it (<= 1.2 s), the governor's next reading (<= 0.5 s), the next
+    # publication (<= 1 s) and the refusals below: about 10 s of decode steps on the 2-core CI machine.
     long = threading.Thread(target=lambda: long_result.update(r=stream_infer(server.grpc_url, {
-        "text_input": "Count slowly:", "max_tokens": 160, "ignore_eos": True, "stream": True, "temperature": 0})))
+        "text_input": "Count slowly:", "max_tokens": CRITICAL_LONG_TOKENS, "ignore_eos": True, "stream": True,
+        "temperature": 0})))
     long.start()
     scrape_until(server, lambda s: value(s, "omni_requests_running") == 1, "the long request running")
     try:
@@ -150,7 +160,7 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
         long.join(180)
         finished = long_result["r"]
         assert finished.error is None and finished.last("finish_reason") == "length"
-        assert finished.last("completion_tokens") == 160
+        assert finished.last("completion_tokens") == CRITICAL_LONG_TOKENS
     finally:
         server.nvml_file.write_text(json.dumps(server.fake_gpu))
         long.join(180)

@@ -29,7 +29,7 @@ CAPACITY = MAX_NUM_SEQS + MAX_QUEUED
 BURST = 4 * CAPACITY
 MAX_TOKENS = 16
 PROMPT = "Tell me a story about a dragon."
-REFUSAL_BOUND_S = 2.0  # a refusal must come well before any accepted request could finish
+REFUSAL_BOUND_S = 2.0  # a refusal comes at once (measured: 0.01 s over gRPC, 0.17 s through the front door)
 WAIT_S = 120.0
 
 

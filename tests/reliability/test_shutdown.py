@@ -32,7 +32,7 @@ from omni_backend.serving.process import FrontDoorProcess
 from omni_backend.stages.llm import STOP_POLL_INTERVAL_S
 
 PROMPT = "Tell me a story about a dragon."
-MAX_TOKENS = 24
+MAX_TOKENS = 48  # about 3 s of float32 decode steps at batch 2: the running ones end well after SIGTERM + 0.5 s
 EXIT_TIMEOUT_S = 20
 
 
@@ -182,7 +182,7 @@ def test_requests_still_running_at_the_exit_timeout_are_aborted_and_the_server_e
     # timeout runs out with a decoupled request in flight; the llm stage aborts them 3 s before (STOP_MARGIN_S)
     exit_timeout_s = 8
     server = make_chat_server(exit_timeout_s=exit_timeout_s)
-    long_tokens = 600  # about a minute here: far longer than the exit timeout
+    long_tokens = 600  # about 40 s of float32 decode steps here: far longer than the exit timeout
     streams = [LLMStream(server.grpc_url) for _ in range(2)]
     for stream in streams:
         stream.send(llm_inputs(server.grpc_url, PROMPT, long_tokens))

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from kernels.paged_decode import alloc_decode_workspace
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 # bf16 arithmetic is wrong under the Triton interpreter, so bf16 runs only on a GPU.
@@ -61,6 +63,26 @@ class PagedKV:
         shape = (0,) + tuple(self.k_cache.shape[2:])
         return (torch.stack(ks) if ks else torch.empty(shape, dtype=torch.float64, device=DEVICE),
                 torch.stack(vs) if vs else torch.empty(shape, dtype=torch.float64, device=DEVICE))
+
+
+def bad_decode_overrides(kv: PagedKV, query: torch.Tensor, context_lens: torch.Tensor) -> list[dict]:
+    """Argument overrides that break the paged decode contract (kernels/paged_decode.py), each one a ValueError
+    for every implementation: wrong dtypes, shapes or strides, and num_splits/workspace misuse."""
+    device = query.device
+    return [
+        dict(block_tables=kv.block_tables.long()),
+        dict(context_lens=context_lens.long()),
+        dict(context_lens=context_lens[:1]),
+        dict(context_lens=torch.stack([context_lens, context_lens], 1)[:, 0]),  # strided
+        dict(block_tables=torch.stack([kv.block_tables, kv.block_tables], 2)[..., 0]),  # strided rows
+        dict(query=query[:, :3]),  # 3 q heads, 2 kv heads
+        dict(query=query[..., :8]),
+        dict(query=query.half()),
+        dict(num_splits=0),
+        dict(out=torch.empty(2, 4, 8, device=device)),
+        dict(workspace=alloc_decode_workspace(2, 4, 16, 2, device)),  # num_splits missing
+        dict(num_splits=3, workspace=alloc_decode_workspace(2, 4, 16, 2, device)),
+    ]
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos, scale: float) -> torch.Tensor:

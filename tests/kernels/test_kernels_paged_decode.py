@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from kernel_testing import ATOL, DEVICE, DTYPES, INTERPRET, PagedKV, assert_close, default_scale, naive_attention
+from kernel_testing import (ATOL, DEVICE, DTYPES, INTERPRET, PagedKV, assert_close, bad_decode_overrides, default_scale,
+                            naive_attention)
 
 from kernels.paged_decode import (
     alloc_decode_workspace,
@@ -118,20 +119,7 @@ def test_decode_rejects_bad_inputs(fn):
     kv, query, context_lens = _setup([5, 9], 16, 2, 16, torch.float32)
     base = dict(query=query, k_cache=kv.k_cache, v_cache=kv.v_cache, block_tables=kv.block_tables,
                 context_lens=context_lens, scale=1.0)
-    bad = [
-        dict(block_tables=kv.block_tables.long()),
-        dict(context_lens=context_lens.long()),
-        dict(context_lens=context_lens[:1]),
-        dict(context_lens=torch.stack([context_lens, context_lens], 1)[:, 0]),  # strided
-        dict(block_tables=torch.stack([kv.block_tables, kv.block_tables], 2)[..., 0]),  # strided rows
-        dict(query=query[:, :3]),  # 3 q heads, 2 kv heads
-        dict(query=query[..., :8]),
-        dict(query=query.half()),
-        dict(num_splits=0),
-        dict(out=torch.empty(2, 4, 8, device=DEVICE)),
-        dict(workspace=alloc_decode_workspace(2, 4, 16, 2, DEVICE)),  # num_splits missing
-        dict(num_splits=3, workspace=alloc_decode_workspace(2, 4, 16, 2, DEVICE)),
-    ]
+    bad = bad_decode_overrides(kv, query, context_lens)
     for override in bad:
         with pytest.raises(ValueError):
             fn(**{**base, **override})

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 import torch
-from kernel_testing import ATOL, PagedKV, assert_close, default_scale, naive_attention
+from kernel_testing import ATOL, PagedKV, assert_close, bad_decode_overrides, default_scale, naive_attention
 
 from kernels import paged_decode_cpu
-from kernels.paged_decode import alloc_decode_workspace, paged_decode_attention_reference
+from kernels.paged_decode import paged_decode_attention_reference
 from kernels.paged_decode_cpu import CpuKernelUnavailable, CpuPagedDecode
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
@@ -149,17 +149,8 @@ def test_cpu_decode_rejects_bad_inputs(kernel):
     kv, query, context_lens = _setup([5, 9], 16, 2, 16, torch.float32)
     base = dict(query=query, k_cache=kv.k_cache, v_cache=kv.v_cache, block_tables=kv.block_tables,
                 context_lens=context_lens, scale=1.0)
-    bad = [
-        dict(block_tables=kv.block_tables.long()),
-        dict(context_lens=context_lens.long()),
-        dict(context_lens=context_lens[:1]),
-        dict(block_tables=torch.stack([kv.block_tables, kv.block_tables], 2)[..., 0]),  # strided rows
-        dict(query=query[:, :3]),  # 3 q heads, 2 kv heads
-        dict(query=query[..., :8]),
-        dict(query=query.half()),
+    bad = bad_decode_overrides(kv, query, context_lens) + [
         dict(query=torch.stack([query, query], -1)[..., 0]),  # head_dim not contiguous
-        dict(out=torch.empty(2, 4, 8)),
-        dict(num_splits=3, workspace=alloc_decode_workspace(2, 4, 16, 2, "cpu")),
     ]
     for override in bad:
         with pytest.raises(ValueError):

@@ -127,45 +127,6 @@ inline float softmax_numerators(float* s, int64_t len) {
   return sum;
 }
 
-// Portable path. One sequence, one KV head h: its `group` query heads (fp32, pre-scaled, [group][head_dim] in
-// `q`) against the first `len` tokens; scores [group][len] and acc [group][head_dim] are scratch; writes the
-// group's rows of `out` (out_head_stride apart).
-template <typename T>
-void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, int64_t group,
-            int64_t head_dim, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
-            float* scores, float* acc, T* out, int64_t out_head_stride) {
-  for (int64_t start = 0; start < len; start += block_size) {  // scores[g, t] = q_g . k_t, block by block
-    const T* k = k_cache + table[start / block_size] * k_stride[0] + h * k_stride[2];
-    const int64_t end = start + block_size < len ? start + block_size : len;
-    for (int64_t t = start; t < end; ++t, k += k_stride[1]) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(k[d]);
-        scores[g * len + t] = dot;
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place; acc = sum_t p[g, t] * v_t
-    float* s = scores + g * len;
-    const float sum = softmax_numerators(s, len);
-    float* a = acc + g * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.0f;
-    for (int64_t start = 0; start < len; start += block_size) {
-      const T* v = v_cache + table[start / block_size] * v_stride[0] + h * v_stride[2];
-      const int64_t end = start + block_size < len ? start + block_size : len;
-      for (int64_t t = start; t < end; ++t, v += v_stride[1]) {
-        const float p = s[t];
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * load(v[d]);
-      }
-    }
-    const float inv_sum = 1.0f / sum;
-    for (int64_t d = 0; d < head_dim; ++d) store(a[d] * inv_sum, out + g * out_head_stride + d);
-  }
-}
-
 // Prefetches the `head_dim` elements of head h in every row of the block that holds token `start`, if start < len:
 // the next block's address comes from the block table, which the hardware prefetchers cannot follow.
 template <typename T>
@@ -176,6 +137,50 @@ inline void prefetch_block(const T* cache, const int32_t* table, int64_t start, 
   const int64_t rows = start + block_size < len ? block_size : len - start;
   for (int64_t r = 0; r < rows; ++r, row += stride[1])
     for (int64_t e = 0; e < head_dim; e += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + e);
+}
+
+// Calls row_fn(t, row) for t = 0..len-1 with `row` pointing at head h of token t's cache row, walking the block
+// table block by block (no division per token) and prefetching each next block while the current one is read.
+template <typename T, typename RowFn>
+inline void for_each_token(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
+                           const int64_t* stride, int64_t h, int64_t head_dim, RowFn&& row_fn) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    prefetch_block(cache, table, start + block_size, len, block_size, stride, h, head_dim);
+    const T* row = cache + table[start / block_size] * stride[0] + h * stride[2];
+    const int64_t end = start + block_size < len ? start + block_size : len;
+    for (int64_t t = start; t < end; ++t, row += stride[1]) row_fn(t, row);
+  }
+}
+
+// Portable path. One sequence, one KV head h: its `group` query heads (fp32, pre-scaled, [group][head_dim] in
+// `q`) against the first `len` tokens; scores [group][len] and acc [group][head_dim] are scratch; writes the
+// group's rows of `out` (out_head_stride apart).
+template <typename T>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, int64_t group,
+            int64_t head_dim, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
+            float* scores, float* acc, T* out, int64_t out_head_stride) {
+  for_each_token(k_cache, table, len, block_size, k_stride, h, head_dim, [&](int64_t t, const T* k) {
+    for (int64_t g = 0; g < group; ++g) {  // scores[g, t] = q_g . k_t
+      const float* qg = q + g * head_dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(k[d]);
+      scores[g * len + t] = dot;
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place; acc = sum_t p[g, t] * v_t
+    float* s = scores + g * len;
+    const float sum = softmax_numerators(s, len);
+    float* a = acc + g * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.0f;
+    for_each_token(v_cache, table, len, block_size, v_stride, h, head_dim, [&](int64_t t, const T* v) {
+      const float p = s[t];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * load(v[d]);
+    });
+    const float inv_sum = 1.0f / sum;
+    for (int64_t d = 0; d < head_dim; ++d) store(a[d] * inv_sum, out + g * out_head_stride + d);
+  }
 }
 
 #ifdef __AVX512F__
@@ -197,38 +202,28 @@ void attend_avx512(const float* q, const T* k_cache, const T* v_cache, const int
   __m512 qv[GROUP][C];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * HEAD_DIM + 16 * c);
-  for (int64_t start = 0; start < len; start += block_size) {  // block by block: no division per token
-    prefetch_block(k_cache, table, start + block_size, len, block_size, k_stride, h, HEAD_DIM);
-    const T* k = k_cache + table[start / block_size] * k_stride[0] + h * k_stride[2];
-    const int64_t end = start + block_size < len ? start + block_size : len;
-    for (int64_t t = start; t < end; ++t, k += k_stride[1]) {
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
-      for (int g = 0; g < GROUP; ++g) {
-        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-        scores[g * len + t] = _mm512_reduce_add_ps(s);
-      }
+  for_each_token(k_cache, table, len, block_size, k_stride, h, HEAD_DIM, [&](int64_t t, const T* k) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+    for (int g = 0; g < GROUP; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+      scores[g * len + t] = _mm512_reduce_add_ps(s);
     }
-  }
+  });
   float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) inv_sum[g] = 1.0f / softmax_numerators(scores + g * len, len);
   __m512 acc[GROUP][C];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t start = 0; start < len; start += block_size) {
-    prefetch_block(v_cache, table, start + block_size, len, block_size, v_stride, h, HEAD_DIM);
-    const T* v = v_cache + table[start / block_size] * v_stride[0] + h * v_stride[2];
-    const int64_t end = start + block_size < len ? start + block_size : len;
-    for (int64_t t = start; t < end; ++t, v += v_stride[1]) {
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
-      for (int g = 0; g < GROUP; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-      }
+  for_each_token(v_cache, table, len, block_size, v_stride, h, HEAD_DIM, [&](int64_t t, const T* v) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
-  }
+  });
   for (int g = 0; g < GROUP; ++g) {
     alignas(64) float row[HEAD_DIM];
     const __m512 norm = _mm512_set1_ps(inv_sum[g]);

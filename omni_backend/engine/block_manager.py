@@ -11,6 +11,7 @@ from collections import deque
 
 import torch
 
+from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.sequence import Sequence
 
 
@@ -18,15 +19,19 @@ class BlockTablePool:
     """Preallocated int32 block tables [max_num_seqs, max_blocks_per_seq] kept on the engine's device.
 
     A running sequence owns one row. New blocks are written in place: `append` queues (row, column, block)
-    triples and `flush` applies all of a step's updates with one indexed write, so the host never rebuilds
-    or re-uploads whole tables. Unused entries hold 0 (a valid block id: kernels must only read entries
-    below ceil(context_len / block_size)).
+    triples and `flush` uploads all of a step's updates with one asynchronous copy and applies them with one
+    indexed write, so the host never rebuilds or re-uploads whole tables. Unused entries hold 0 (a valid block
+    id: kernels must only read entries below ceil(context_len / block_size)).
     """
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
-        self.tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+    # updates uploaded per copy; a larger flush (a burst of admissions) takes several
+    STAGED_UPDATES = 4096
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: Device):
+        self.tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device.torch_device)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._pending: list[tuple[int, int, int]] = []
+        self._staging = HostToDeviceStaging(3 * self.STAGED_UPDATES, device)
 
     @property
     def num_free_rows(self) -> int:
@@ -45,17 +50,14 @@ class BlockTablePool:
         self._pending.append((row, column, block_id))
 
     def flush(self) -> int:
-        """Apply queued updates in one indexed write; returns how many entries changed."""
-        if not self._pending:
-            return 0
-        updates = torch.tensor(self._pending, dtype=torch.int64)
-        values = updates[:, 2].to(torch.int32)
-        device = self.tables.device
-        self.tables.index_put_(
-            (updates[:, 0].to(device, non_blocking=True), updates[:, 1].to(device, non_blocking=True)),
-            values.to(device, non_blocking=True),
-        )
+        """Apply queued updates (one upload and one indexed write per STAGED_UPDATES); returns how many entries
+        changed."""
         count = len(self._pending)
+        for start in range(0, count, self.STAGED_UPDATES):
+            chunk = self._pending[start:start + self.STAGED_UPDATES]
+            rows, columns, blocks = self._staging.upload([[u[0] for u in chunk], [u[1] for u in chunk],
+                                                          [u[2] for u in chunk]])
+            self.tables.index_put_((rows, columns), blocks.to(torch.int32))
         self._pending.clear()
         return count
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-MIB = 1024 * 1024
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
@@ -19,8 +18,10 @@ class EngineConfig:
         device: "cpu" or "cuda[:n]".
         dtype: "auto", "float32", "float16" or "bfloat16"; "auto" picks by device (see `ops.hardware`).
         block_size: tokens per KV-cache block.
-        kv_cache_bytes: bytes for the KV cache on CPU (both K and V, all layers).
-        gpu_memory_utilization: fraction of free GPU memory given to the KV cache after weights load.
+        kv_cache_bytes: bytes for the KV cache (both K and V, all layers), on CPU and GPU; None: the device's
+            default (512 MiB on CPU; on a GPU what `gpu_memory_utilization` leaves, see engine/memory.py).
+        gpu_memory_utilization: fraction of the GPU's total memory this engine may use (weights, activations,
+            CUDA graphs and KV cache), in (0, 1].
         num_kv_blocks: overrides both budgets when set (tests use tiny caches).
         max_num_seqs: most sequences in one step; also the rows of the block-table pool.
         max_num_batched_tokens: per-step token budget (prefill chunks + decodes), tokens.
@@ -33,7 +34,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_bytes: int = 512 * MIB
+    kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
     num_kv_blocks: int | None = None
     max_num_seqs: int = 32
@@ -47,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")

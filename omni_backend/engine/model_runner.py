@@ -1,4 +1,16 @@
-"""Runs the model for one scheduled batch: builds inputs, owns the KV cache, replays CUDA graphs, samples."""
+"""Runs the model for one scheduled batch: owns the weights, the KV cache and the CUDA graphs; prepares a step's
+inputs, runs the forward pass (graph replay or eager), samples.
+
+Start-up, in order (each step's reason in its method's docstring):
+1. bind the device to this thread, resolve the dtype and the attention backend; the backend's kernels run once
+   against the torch reference (`attention.self_test`), and an automatic choice falls back to torch on failure;
+2. build the model on the meta device in its final dtype and load the weights straight into device memory;
+3. on a GPU without an explicit KV budget, profile one prefill of `max_num_batched_tokens` tokens and one decode
+   at the largest captured batch size, then size the KV cache (`memory.plan_kv_cache`);
+4. allocate the KV cache and the block-table pool;
+5. on a GPU with the triton backend, compile the kernels' shape specialisations (`_warm_up`) and capture decode
+   CUDA graphs; the torch backend synchronises with the host inside its decode path, so it runs eagerly.
+"""
 
 from __future__ import annotations
 
@@ -7,184 +19,318 @@ import logging
 import torch
 from transformers import AutoConfig
 
+from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
 from kernels.paged_decode_cpu import CpuKernelUnavailable
 from omni_backend import paths
-from omni_backend.engine.attention import AttentionMetadata, PagedAttention
+from omni_backend.engine.attention import AttentionMetadata, PagedAttention, self_test
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
-from omni_backend.engine.cuda_graphs import DecodeGraphRunner
+from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_sizes
+from omni_backend.engine.device import Device, HostToDeviceStaging
+from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
 from omni_backend.engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
-from omni_backend.ops.hardware import select_attention_backend, select_dtype
+from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
+from omni_backend.ops.hardware import runtime_versions, select_attention_backend, select_dtype
 
 logger = logging.getLogger(__name__)
 
-
-def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V: 2 * layers * block_size * kv_heads * head_dim * size."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * head_dim * element
+# Shapes whose Triton specialisations `_warm_up` compiles: (prefill sequences, decode sequences). Triton
+# specialises integer arguments equal to 1 or divisible by 16 and pointers aligned to 16 bytes, so the prefill
+# kernel needs 1, 2 and 16 sequences, and a decode part after 1 or 4 prefill rows starts its context lengths
+# at an unaligned or an aligned offset.
+WARM_UP_SHAPES = ((1, 0), (2, 0), (16, 0), (1, 1), (4, 1))
+WARM_UP_PREFILL_TOKENS = 16  # per prefill sequence in a warm-up step
 
 
 class ModelRunner:
-    """Owns the model weights, the KV cache, the block-table pool and the CUDA graphs.
+    """Owns the model weights, the KV cache, the block-table pool and the CUDA graphs (see the module docstring).
+
+    Attributes:
+        attention_backend: "cpu", "torch" or "triton", what runs.
+        fallback_reason: why the backend is not the one chosen first ("" when it is).
+        graph_runner: the decode CUDA graphs, None when decode runs eagerly (CPU, enforce_eager, torch backend).
 
     Raises (constructor):
-        ValueError: unsupported architecture, or a cache too small for one max-length sequence.
+        ValueError: unsupported architecture, max_model_len beyond the model, or a KV budget without one block.
+        RuntimeError: an explicitly requested attention backend fails its self-test.
+        kernels.paged_decode_cpu.CpuKernelUnavailable: "cpu" was requested explicitly and cannot be built.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = config.torch_device
+        self.device = Device(config.device)
+        self.device.bind_thread()
         hf_config = AutoConfig.from_pretrained(config.model_path)
         architecture = (hf_config.architectures or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {architecture}; supported: {SUPPORTED_ARCHITECTURES}")
         self.hf_config = hf_config
-        self.dtype = select_dtype(config.dtype, self.device)
+        self.dtype = select_dtype(config.dtype, self.device.torch_device)
+        self.num_q_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        attention = self._make_attention(config.attention_backend)
         max_positions = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 20))
         if config.max_model_len > max_positions:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} positions")
-        with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, attention, max_positions)
-        self.model = model.to_empty(device=self.device)
-        self.model.place_rope_cache(self.device)
-        self.model.load_weights(config.model_path)
-        self.model.to(self.dtype).eval()
+        self.fallback_reason = ""
+        attention = self._make_attention(config.attention_backend)
+        self.model = self._build_model(attention, max_positions)
+        self.sampler = Sampler()
+        self.num_eager_steps = 0
+        self.graph_runner: DecodeGraphRunner | None = None
+        self._graph_sizes = capture_batch_sizes(config.max_num_seqs)
+        self._workspaces: dict[int, DecodeWorkspace] = {}
+        self.staging = HostToDeviceStaging(staging_capacity(config.max_num_batched_tokens, config.max_num_seqs),
+                                           self.device)
 
-        self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, config.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(hf_config.num_hidden_layers)]
+        capture = self._capture_graphs()
+        block_bytes = kv_block_bytes(hf_config, config.block_size, self.dtype)
+        profile = None
+        if self.device.is_cuda and config.num_kv_blocks is None and config.kv_cache_bytes is None:
+            profile = self._profile_gpu_memory(capture)
+        plan = plan_kv_cache(block_bytes, num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
+                             gpu=profile, gpu_memory_utilization=config.gpu_memory_utilization)
+        self.num_blocks = plan.num_blocks
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB): %s", plan.num_blocks, config.block_size,
+                    plan.bytes / 2**20, plan.reason)
+        if plan.num_blocks * config.block_size < config.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len %d: requests longer than the cache "
+                           "(e.g. without max_tokens) will be refused", plan.num_blocks * config.block_size,
+                           config.max_model_len)
+        self.kv_caches = self._allocate_kv_cache(plan.num_blocks)
         self.block_table_pool = BlockTablePool(config.max_num_seqs, config.max_blocks_per_seq, self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, self.block_table_pool)
-        self.sampler = Sampler()
-        self.graph_runner: DecodeGraphRunner | None = None
-        self.num_eager_steps = 0
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graph_runner = DecodeGraphRunner(self._decode_forward, config.max_num_seqs,
-                                                  config.max_blocks_per_seq, self.device)
-            with torch.inference_mode():
-                self.graph_runner.capture_all()
-            logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_runner.batch_sizes)
+
+        if self.device.is_cuda and self.attention_backend == "triton":
+            self._warm_up()
+        if capture:
+            self._capture(profile)
+
+    # --- start-up -------------------------------------------------------------------------------------------
 
     def _make_attention(self, requested: str) -> PagedAttention:
-        """The attention backend `select_attention_backend` picks; an automatic "cpu" whose C++ kernel cannot be
-        built here falls back to "torch", with a warning that says why (the omni_attention_backend metric then
-        reports "torch"). Sets `self.attention_backend`.
+        """The attention backend `select_attention_backend` picks, checked once against the torch reference.
+
+        An automatic "cpu" whose C++ kernel cannot be built here, or an automatic backend that fails its
+        self-test (a kernel that does not compile, load or agree on this driver/toolchain), falls back to
+        "torch" with a WARNING naming the reason and the versions; `fallback_reason` keeps it for the
+        omni_runtime_info metric. Sets `attention_backend`.
 
         Raises:
             CpuKernelUnavailable: "cpu" was requested explicitly and cannot be built.
+            RuntimeError: an explicitly requested backend fails its self-test.
         """
-        self.attention_backend, reason = select_attention_backend(requested, self.device)
+        device = self.device.torch_device
+        backend, reason = select_attention_backend(requested, device)
         scale = self.head_dim ** -0.5
         try:
-            attention = PagedAttention(self.attention_backend, scale=scale,
-                                       kernel_build_dir=str(paths.cache_dir() / "kernels"))
+            attention = PagedAttention(backend, scale=scale, kernel_build_dir=str(paths.cache_dir() / "kernels"))
         except CpuKernelUnavailable as exc:
             if requested != "auto":
                 raise
             logger.warning("attention backend cpu disabled, using torch: %s", exc)
-            self.attention_backend, reason = "torch", "auto: the C++ decode kernel cannot be built here"
+            backend, reason = "torch", "auto: the C++ decode kernel cannot be built here"
+            self.fallback_reason = f"cpu kernel unavailable: {exc}"
             attention = PagedAttention("torch", scale=scale)
-        logger.info("attention backend: %s (%s); dtype %s", self.attention_backend, reason, self.dtype)
+        if backend != "torch":
+            failure = self_test(attention, self.num_q_heads, self.num_kv_heads, self.head_dim, self.dtype, device,
+                                self.config.block_size)
+            if failure is not None:
+                versions = ", ".join(f"{k} {v or '-'}" for k, v in runtime_versions().items())
+                message = f"attention backend {backend} failed its self-test on {device} ({failure}); {versions}"
+                if requested != "auto":
+                    raise RuntimeError(message)
+                logger.warning("%s: falling back to the torch backend (eager, no CUDA graphs)", message)
+                backend, reason = "torch", f"auto: {backend} failed its self-test"
+                self.fallback_reason = f"self-test of {attention.backend}: {failure}"
+                attention = PagedAttention("torch", scale=scale)
+        self.attention_backend = backend
+        logger.info("attention backend: %s (%s); dtype %s; device %s", backend, reason, self.dtype, device)
         return attention
 
-    def _num_kv_blocks(self) -> int:
-        config = self.config
-        per_block = kv_block_bytes(self.hf_config, config.block_size, self.dtype)
-        if config.num_kv_blocks is not None:
-            blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            blocks = int(free * config.gpu_memory_utilization) // per_block
-        else:
-            blocks = config.kv_cache_bytes // per_block
-        if blocks < 1:
-            raise ValueError(f"KV cache budget holds no block of {per_block} bytes")
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", blocks, config.block_size,
-                    blocks * per_block / 2**20)
-        if blocks * config.block_size < config.max_model_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len %d: requests longer than the cache "
-                           "(e.g. without max_tokens) will be refused", blocks * config.block_size,
-                           config.max_model_len)
-        return blocks
+    def _build_model(self, attention: PagedAttention, max_positions: int) -> LlamaForCausalLM:
+        """The model built on the meta device, cast there (free), then materialised on the engine's device in
+        its final dtype and loaded: device memory never holds a float32 copy of bf16/fp16 weights."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.hf_config, attention, max_positions)
+        model = model.to(self.dtype).to_empty(device=self.device.torch_device)
+        model.place_rope_cache(self.device.torch_device)
+        model.load_weights(self.config.model_path)
+        return model.eval()
+
+    def _capture_graphs(self) -> bool:
+        """Whether decode runs through CUDA graphs: on a GPU, with the triton backend, unless enforce_eager."""
+        if not self.device.is_cuda:
+            return False
+        if self.config.enforce_eager:
+            logger.info("CUDA graphs off (enforce_eager): decode runs eagerly")
+            return False
+        if self.attention_backend != "triton":
+            logger.warning("attention backend %s on %s is not CUDA-graph safe (its decode path waits for the "
+                           "device to size its gather): decode runs eagerly, with a kernel launch per op",
+                           self.attention_backend, self.device.torch_device)
+            return False
+        return True
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.config.block_size, self.num_kv_heads, self.head_dim)
+        device = self.device.torch_device
+        return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+                for _ in range(self.hf_config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def _profile_gpu_memory(self, graphs: bool) -> GpuMemoryProfile:
+        """Measure this engine's peak device memory before the KV cache exists.
+
+        Runs, on a temporary cache just large enough: one prefill of min(max_num_batched_tokens, max_model_len)
+        tokens with logits and sampler-sized temporaries for max_num_seqs rows (the largest step), and, when
+        graphs will be captured, one eager decode at the largest batch size, whose activations the graph pool
+        will hold. Also compiles the prefill kernel for one sequence.
+        """
+        config, device = self.config, self.device.torch_device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        tokens = min(config.max_num_batched_tokens, config.max_model_len)
+        caches = self._allocate_kv_cache(-(-tokens // config.block_size) + 1)
+        hidden = self.model(*self._dummy_inputs(tokens, 1, 0, caches))
+        rows = min(config.max_num_seqs, tokens)
+        logits = self.model.compute_logits(hidden[-rows:])
+        probs = logits.softmax(-1)  # the sampler's [rows, vocab] float32 temporaries
+        probs.topk(min(64, probs.shape[-1]))
+        del hidden, logits, probs
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_reserved(device)
+        graph_pool = 0
+        if graphs:
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.model(*self._dummy_inputs(0, 0, config.max_num_seqs, caches))
+            torch.cuda.synchronize(device)
+            graph_pool = torch.cuda.max_memory_allocated(device) - before
+            peak = max(peak, torch.cuda.max_memory_reserved(device))
+        del caches
+        torch.cuda.empty_cache()
+        free, total = self.device.memory_info()
+        return GpuMemoryProfile(total=total, free=free, peak_torch=peak,
+                                weights=torch.cuda.memory_allocated(device), graph_pool=graph_pool)
+
+    def _dummy_inputs(self, prefill_tokens: int, prefills: int, decodes: int, caches) -> tuple:
+        """(input_ids, positions, caches, metadata) of a step that writes nothing: `prefills` sequences of
+        `prefill_tokens` tokens each (none: one sequence of `prefill_tokens`) then `decodes` one-token rows of
+        context 1, every slot -1 and every block-table entry 0."""
+        device = self.device.torch_device
+        prefills = max(prefills, 1) if prefill_tokens else 0
+        per_seq = prefill_tokens // prefills if prefills else 0
+        tokens = per_seq * prefills + decodes
+        tables = torch.zeros(prefills + decodes, self.config.max_blocks_per_seq, dtype=torch.int32, device=device)
+        ctx = torch.tensor([per_seq] * prefills + [1] * decodes, dtype=torch.int32, device=device)
+        splits, workspace = self._decode_plan(decodes) if decodes else (None, None)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+            num_prefill_tokens=per_seq * prefills,
+            prefill_query_start_loc=(torch.arange(prefills + 1, dtype=torch.int32, device=device) * per_seq
+                                     if prefills else None),
+            prefill_context_lens=ctx[:prefills] if prefills else None,
+            prefill_block_tables=tables[:prefills] if prefills else None,
+            decode_context_lens=ctx[prefills:] if decodes else None,
+            decode_block_tables=tables[prefills:] if decodes else None,
+            decode_num_splits=splits, decode_workspace=workspace)
+        positions = torch.cat([torch.arange(per_seq, device=device).repeat(prefills),
+                               torch.zeros(decodes, dtype=torch.int64, device=device)])
+        return torch.zeros(tokens, dtype=torch.int64, device=device), positions, caches, meta
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile the Triton kernels' specialisations (WARM_UP_SHAPES) now, not on the first requests."""
+        for prefills, decodes in WARM_UP_SHAPES:
+            tokens = prefills * WARM_UP_PREFILL_TOKENS
+            if prefills + decodes <= self.config.max_num_seqs and tokens + decodes <= self.config.max_num_batched_tokens:
+                self.model(*self._dummy_inputs(tokens, prefills, decodes, self.kv_caches))
+        torch.cuda.synchronize(self.device.torch_device)
+
+    def _capture(self, profile: GpuMemoryProfile | None) -> None:
+        device = self.device.torch_device
+        before = torch.cuda.memory_reserved(device)
+        self.graph_runner = DecodeGraphRunner(self._decode_forward, self.config.max_num_seqs,
+                                              self.config.max_blocks_per_seq, device)
+        with torch.inference_mode():
+            self.graph_runner.capture_all()
+        grown = torch.cuda.memory_reserved(device) - before
+        logger.info("captured CUDA graphs for decode batch sizes %s (split-KV partitions %s); the graph pool took "
+                    "%.1f MiB", self.graph_runner.batch_sizes,
+                    [self._decode_plan(size)[0] for size in self.graph_runner.batch_sizes], grown / 2**20)
+        if profile is not None and grown > profile.graph_pool + 64 * 2**20:
+            logger.warning("the CUDA-graph pool took %.1f MiB, more than the %.1f MiB the KV budget set aside",
+                           grown / 2**20, profile.graph_pool / 2**20)
+
+    # --- one step ---------------------------------------------------------------------------------------------
+
+    def _decode_plan(self, num_decodes: int) -> tuple[int | None, DecodeWorkspace | None]:
+        """Split-KV partitions and workspace for a decode part of `num_decodes` rows (triton backend; else
+        (None, None)). Fixed per captured batch size (the smallest >= num_decodes), so eager steps and the
+        graph replayed for that size launch the same; workspaces are allocated once per size."""
+        if self.attention_backend != "triton":
+            return None, None
+        size = next(s for s in self._graph_sizes if s >= num_decodes)
+        capacity = self.config.max_blocks_per_seq * self.config.block_size
+        splits = default_num_splits(size, self.num_kv_heads, capacity)
+        if size not in self._workspaces:
+            self._workspaces[size] = alloc_decode_workspace(size, self.num_q_heads, self.head_dim, splits,
+                                                            self.device.torch_device)
+        return splits, self._workspaces[size]
 
     def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping, 0, None, None, None, context_lens, block_tables)
+        """A decode-only forward pass over these [b] inputs (what the CUDA graphs capture per batch size)."""
+        splits, workspace = self._decode_plan(input_ids.shape[0])
+        meta = AttentionMetadata(slot_mapping, 0, None, None, None, context_lens, block_tables, splits, workspace)
         return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step (decode-only steps replay a CUDA graph where one fits)."""
+        tables = self.block_table_pool.tables.index_select(0, inputs.pool_rows)
+        if inputs.is_decode_only and self.graph_runner is not None:
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                           inputs.context_lens, tables)
+            if hidden is not None:
+                return hidden
+        self.num_eager_steps += 1
+        p, ctx = inputs.num_prefills, inputs.context_lens
+        decodes = inputs.num_seqs - p
+        splits, workspace = self._decode_plan(decodes) if decodes else (None, None)
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping, num_prefill_tokens=inputs.num_prefill_tokens,
+            prefill_query_start_loc=inputs.prefill_query_start_loc,
+            prefill_context_lens=ctx[:p] if p else None, prefill_block_tables=tables[:p] if p else None,
+            decode_context_lens=ctx[p:] if decodes else None, decode_block_tables=tables[p:] if decodes else None,
+            decode_num_splits=splits, decode_workspace=workspace)
+        embeds = None
+        if inputs.embed_rows is not None:
+            device = self.device.torch_device
+            embeds = self.model.embed_tokens(inputs.input_ids)
+            embeds[inputs.embed_rows.to(device)] = inputs.embed_values.to(device=device, dtype=embeds.dtype)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, input_embeds=embeds)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
-        """Run one step; returns the sequences that sampled a token (in order) and their samples."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        context_lens: list[int] = []
-        query_start = [0]
-        embed_rows: list[torch.Tensor] = []  # flattened token index of each replaced embedding
-        embed_values: list[torch.Tensor] = []
-        logit_rows: list[int] = []
-        sampled: list[Sequence] = []
-        bm = self.block_manager
-        for seq, count in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
-            end = start + count
-            if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
-                offsets, values = seq.prompt_embeds.in_range(start, end)
-                embed_rows.append(offsets + len(token_ids))
-                embed_values.append(values)
-            token_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(bm.slot(seq, p) for p in range(start, end))
-            rows.append(seq.pool_row)
-            context_lens.append(end)
-            query_start.append(query_start[-1] + count)
-            if end == len(seq):
-                logit_rows.append(len(token_ids) - 1)
-                sampled.append(seq)
+        """Run one step; returns the sequences that sampled a token (in order) and their samples.
 
-        device = self.device
-        ids_t = torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
-        slots_t = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
-        rows_t = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        ctx_t = torch.tensor(context_lens, dtype=torch.int32).to(device, non_blocking=True)
-        tables = self.block_table_pool.tables.index_select(0, rows_t)
-        p = batch.num_prefills
-        num_prefill_tokens = query_start[p]
-
-        hidden = None
-        if p == 0 and self.graph_runner is not None:  # decodes only: no prompt embeddings
-            hidden = self.graph_runner.run(ids_t, pos_t, slots_t, ctx_t, tables)
-        if hidden is None:
-            self.num_eager_steps += 1
-            meta = AttentionMetadata(
-                slot_mapping=slots_t,
-                num_prefill_tokens=num_prefill_tokens,
-                prefill_query_start_loc=torch.tensor(query_start[:p + 1], dtype=torch.int32).to(device) if p else None,
-                prefill_context_lens=ctx_t[:p] if p else None,
-                prefill_block_tables=tables[:p] if p else None,
-                decode_context_lens=ctx_t[p:] if p < len(rows) else None,
-                decode_block_tables=tables[p:] if p < len(rows) else None,
-            )
-            embeds = None
-            if embed_rows:
-                embeds = self.model.embed_tokens(ids_t)
-                rows_idx = torch.cat(embed_rows).to(device)
-                embeds[rows_idx] = torch.cat(embed_values).to(device=device, dtype=embeds.dtype)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, input_embeds=embeds)
+        The sequences' computed-token counts advance only once the whole step (forward and sampling) has
+        succeeded, so a step that raises (a CUDA out-of-memory error) can be scheduled again as it was.
+        """
+        inputs = prepare_step(batch, self.block_manager, self.staging)
+        hidden = self._forward(inputs)
+        result = None
+        if inputs.sampled:
+            rows = hidden if inputs.is_decode_only else hidden[inputs.logit_rows]
+            result = self.sampler(self.model.compute_logits(rows), inputs.sampled)
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += count
-        if not sampled:
-            return sampled, None
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=device)])
-        return sampled, self.sampler(logits.cpu() if device.type != "cpu" else logits, sampled)
+        return inputs.sampled, result
+
+    def release_step_memory(self) -> None:
+        """Give the caching allocator's free blocks back to the device (after an out-of-memory step)."""
+        self.device.release_cached_memory()

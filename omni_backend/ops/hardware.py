@@ -240,3 +240,9 @@ def nvml_index(device: torch.device | str, nvml: Nvml) -> int:
                 pass
         return device.index or 0
     return 0
+
+
+def runtime_versions() -> dict[str, str]:  # TEMPORARY until the gpu-install branch lands
+    import triton
+    return {"torch": torch.__version__, "cuda_runtime": torch.version.cuda or "", "cuda_driver": "",
+            "triton": triton.__version__}

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
+from omni_backend.engine.device import Device
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
-from omni_backend.engine.model_runner import kv_block_bytes
+from omni_backend.engine.memory import kv_block_bytes
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import Sequence
 
@@ -98,7 +99,7 @@ def test_fifo_admission_does_not_let_later_requests_overtake(qwen_engine_factory
 
 
 def test_block_table_pool_is_updated_in_place():
-    pool = BlockTablePool(max_num_seqs=4, max_blocks_per_seq=8, device=torch.device("cpu"))
+    pool = BlockTablePool(max_num_seqs=4, max_blocks_per_seq=8, device=Device("cpu"))
     manager = BlockManager(num_blocks=10, block_size=4, pool=pool)
     storage = pool.tables.data_ptr()
     seq = Sequence("s", [1] * 9, SamplingParams(), 0.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+from contextlib import ExitStack
 
 import torch
 from safetensors import safe_open
@@ -105,7 +106,9 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, model_path: str) -> None:
-        """Load HF safetensors weights, fusing q/k/v and gate/up projections.
+        """Load HF safetensors weights into the parameters (already on their device, in their final dtype),
+        fusing q/k/v and gate/up projections. Tensors are read one at a time from the memory-mapped files, so
+        the host holds at most one fused weight beside the mapping, never a second copy of the checkpoint.
 
         Raises:
             FileNotFoundError: no *.safetensors in model_path.
@@ -114,30 +117,33 @@ class LlamaForCausalLM(nn.Module):
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {model_path}")
-        tensors: dict[str, torch.Tensor] = {}
-        for path in files:
-            with safe_open(path, framework="pt") as handle:
+        with ExitStack() as stack:
+            where: dict[str, tuple] = {}  # name without the "model." prefix -> (open file, name in the file)
+            for path in files:
+                handle = stack.enter_context(safe_open(path, framework="pt"))
                 for name in handle.keys():
-                    tensors[name.removeprefix("model.")] = handle.get_tensor(name)
+                    where[name.removeprefix("model.")] = (handle, name)
 
-        def take(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise KeyError(f"checkpoint {model_path} lacks weight {name!r}")
-            return tensors[name]
+            def take(name: str) -> torch.Tensor:
+                if name not in where:
+                    raise KeyError(f"checkpoint {model_path} lacks weight {name!r}")
+                handle, stored = where[name]
+                return handle.get_tensor(stored)
 
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(take("embed_tokens.weight"))
-            self.norm.weight.copy_(take("norm.weight"))
-            if self.lm_head is not None:
-                self.lm_head.weight.copy_(tensors.get("lm_head.weight", take("embed_tokens.weight")))
-            for i, layer in enumerate(self.layers):
-                p = f"layers.{i}."
-                layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if layer.qkv_proj.bias is not None:
-                    layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                           take(p + "mlp.up_proj.weight")]))
-                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(take("embed_tokens.weight"))
+                self.norm.weight.copy_(take("norm.weight"))
+                if self.lm_head is not None:
+                    self.lm_head.weight.copy_(take("lm_head.weight" if "lm_head.weight" in where
+                                                   else "embed_tokens.weight"))
+                for i, layer in enumerate(self.layers):
+                    p = f"layers.{i}."
+                    layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                    if layer.qkv_proj.bias is not None:
+                        layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                    layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                    layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                               take(p + "mlp.up_proj.weight")]))
+                    layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                    layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                    layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))

@@ -1,0 +1,106 @@
+"""A step's model inputs, built on the host and uploaded to the engine's device with one copy.
+
+The scheduler's batch becomes flat integer arrays (token ids, positions, cache slots, block-table pool rows,
+context lengths, prefill query offsets, rows whose logits are sampled), packed into one staging buffer and sent
+with one asynchronous copy (`device.HostToDeviceStaging`): the host never waits for the device while it
+prepares a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omni_backend.engine.block_manager import BlockManager
+from omni_backend.engine.device import HostToDeviceStaging
+from omni_backend.engine.scheduler import ScheduledBatch
+from omni_backend.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the engine device (tokens: prefill chunks first, then one token per decode).
+
+    Attributes:
+        input_ids, positions, slot_mapping: int64 [T].
+        pool_rows: int64 [S], each sequence's row in the block-table pool.
+        context_lens: int32 [S], KV length of each sequence including this step's tokens.
+        prefill_query_start_loc: int32 [P + 1] cumulative query lengths of the P prefill sequences (None if P = 0).
+        logit_rows: int64 [N], token index whose hidden state is sampled, one per sampling sequence.
+        num_prefills: P; num_prefill_tokens: tokens of the prefill chunks.
+        sampled: the N sequences that sample a token this step (their last token is computed), in order.
+        embed_rows, embed_values: prompt-embedding replacements (token index int64 [k], [k, hidden] float) or
+            None; kept on the host until used (only prefill chunks of multimodal prompts have them).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    pool_rows: torch.Tensor
+    context_lens: torch.Tensor
+    prefill_query_start_loc: torch.Tensor | None
+    logit_rows: torch.Tensor
+    num_prefills: int
+    num_prefill_tokens: int
+    sampled: list[Sequence]
+    embed_rows: torch.Tensor | None
+    embed_values: torch.Tensor | None
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_prefills == 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.pool_rows.shape[0]
+
+
+def staging_capacity(max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """int64 elements one step needs at most: 3 per token (id, position, slot), 4 per sequence (pool row,
+    context length, query start, logit row) and one more query start."""
+    return 3 * max_num_batched_tokens + 4 * max_num_seqs + 1
+
+
+def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: HostToDeviceStaging) -> StepInputs:
+    """The model inputs of `batch` (see StepInputs), uploaded with one copy."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+    context_lens: list[int] = []
+    query_start = [0]
+    logit_rows: list[int] = []
+    sampled: list[Sequence] = []
+    embed_rows: list[torch.Tensor] = []
+    embed_values: list[torch.Tensor] = []
+    block_size, num_prefills = block_manager.block_size, batch.num_prefills
+    for seq, count in zip(batch.seqs, batch.num_tokens):
+        start = seq.num_computed_tokens
+        end = start + count
+        if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
+            offsets, values = seq.prompt_embeds.in_range(start, end)
+            embed_rows.append(offsets + len(token_ids))
+            embed_values.append(values)
+        token_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        rows.append(seq.pool_row)
+        context_lens.append(end)
+        query_start.append(query_start[-1] + count)
+        if end == len(seq):
+            logit_rows.append(len(token_ids) - 1)
+            sampled.append(seq)
+    prefill_starts = query_start[:num_prefills + 1] if num_prefills else []
+    ids_t, pos_t, slots_t, rows_t, ctx_t, qsl_t, logit_t = staging.upload(
+        [token_ids, positions, slots, rows, context_lens, prefill_starts, logit_rows])
+    return StepInputs(
+        input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, pool_rows=rows_t,
+        context_lens=ctx_t.to(torch.int32),
+        prefill_query_start_loc=qsl_t.to(torch.int32) if num_prefills else None,
+        logit_rows=logit_t, num_prefills=num_prefills, num_prefill_tokens=query_start[num_prefills],
+        sampled=sampled,
+        embed_rows=torch.cat(embed_rows) if embed_rows else None,
+        embed_values=torch.cat(embed_values) if embed_values else None,
+    )

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from omni_backend.engine.config import EngineConfig
@@ -95,6 +96,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(config.model_path)
         self.requests: dict[str, _RequestState] = {}
         self.num_steps = 0
+        self.num_oom_recoveries = 0  # steps retried after a device out-of-memory error
         self._offline_ids = itertools.count()
 
     def _eos_token_ids(self, model_path: str) -> set[int]:
@@ -161,12 +163,30 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs for requests with new text or that finished."""
+        """Run one scheduling step; returns outputs for requests with new text or that finished.
+
+        A step that runs out of device memory frees what it held and is retried by the next steps with half the
+        token budget (see scheduler.py); no request fails for it unless the budget is down to one token.
+
+        Raises:
+            torch.OutOfMemoryError: a one-token step still runs out of memory.
+        """
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
         self.num_steps += 1
-        sampled, result = self.runner.execute(batch)
+        try:
+            sampled, result = self.runner.execute(batch)
+        except torch.OutOfMemoryError:
+            self.runner.release_step_memory()
+            if not self.scheduler.shrink_token_budget():
+                raise
+            self.num_oom_recoveries += 1
+            logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token "
+                           "budget of %d for a while", batch.total_tokens, len(batch.seqs),
+                           self.scheduler.token_budget)
+            return []
+        self.scheduler.step_succeeded()
         outputs: list[RequestOutput] = []
         if result is None:
             return outputs

@@ -6,6 +6,12 @@ budget, the sequence limit and free KV blocks allow. A waiting sequence that doe
 behind it (FIFO fairness: no overtaking). When a running sequence needs a block and none is free, the most
 recently arrived running sequence is preempted: its blocks are freed and it goes back to the front of the
 waiting queue to be prefilled again later (recompute preemption, as in vLLM: Kwon et al., SOSP 2023).
+
+A step that runs out of device memory (the KV cache is preallocated, so what overflows is the step's
+activations) is retried with half the token budget: `shrink_token_budget` halves it, and every
+BUDGET_RESTORE_STEPS successful steps (`step_succeeded`) double it back towards max_num_batched_tokens. A smaller
+budget makes smaller prefill chunks and, below the number of running sequences, fewer decodes per step (the
+others keep their blocks and wait, oldest first).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from dataclasses import dataclass, field
 
 from omni_backend.engine.block_manager import BlockManager
 from omni_backend.engine.sequence import Sequence, SequenceStatus
+
+BUDGET_RESTORE_STEPS = 32
 
 
 @dataclass
@@ -58,6 +66,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.num_seqs_limit = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_budget = max_num_batched_tokens  # this step's budget: lowered for a while after an OOM
+        self._steps_to_restore = 0
         self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -78,12 +88,29 @@ class Scheduler:
         """
         self.num_seqs_limit = max(1, min(limit, self.max_num_seqs))
 
+    def shrink_token_budget(self) -> bool:
+        """Halve the per-step token budget (after a step ran out of device memory); False when it is already 1
+        token and cannot shrink."""
+        if self.token_budget == 1:
+            return False
+        self.token_budget //= 2
+        self._steps_to_restore = BUDGET_RESTORE_STEPS
+        return True
+
+    def step_succeeded(self) -> None:
+        """Count a successful step; every BUDGET_RESTORE_STEPS of them double a lowered budget back."""
+        if self.token_budget < self.max_num_batched_tokens:
+            self._steps_to_restore -= 1
+            if self._steps_to_restore <= 0:
+                self.token_budget = min(self.max_num_batched_tokens, self.token_budget * 2)
+                self._steps_to_restore = BUDGET_RESTORE_STEPS
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts, allocating their KV blocks."""
-        budget = self.max_num_batched_tokens
+        budget = self.token_budget
         prefills: list[tuple[Sequence, int]] = []
         decodes: list[Sequence] = []
 

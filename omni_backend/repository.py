@@ -10,15 +10,27 @@ Settings (placeholder name, environment variable, default):
     llm_model_path     OMNI_LLM_MODEL_PATH     <cache>/models/SmolLM2-135M-Instruct (absolute)
     max_model_len      OMNI_MAX_MODEL_LEN      2048 tokens (prompt + completion)
     max_num_seqs       OMNI_MAX_NUM_SEQS       32 sequences decoded together
-    kv_cache_bytes     OMNI_KV_CACHE_BYTES     536870912 (512 MiB)
+    kv_cache_bytes     OMNI_KV_CACHE_BYTES     0: the device's default (512 MiB on CPU; on a GPU what
+                                               gpu_memory_utilization leaves); else bytes, on CPU and GPU
     block_size         OMNI_BLOCK_SIZE         16 tokens per KV-cache block
     max_num_batched_tokens OMNI_MAX_NUM_BATCHED_TOKENS 1024 tokens per engine step (prefill chunks + decodes)
     max_queued_requests OMNI_MAX_QUEUED_REQUESTS 256 requests waiting at the llm stage beyond max_num_seqs
                                                (more are refused: UNAVAILABLE; 0: no limit)
-    device             OMNI_DEVICE             auto (cuda when available, else cpu)
+    device             OMNI_DEVICE             auto (cuda when torch can use it, else cpu); cuda: one llm engine
+                                               per GPU (a KIND_GPU instance group); cuda:N: GPU N only
     dtype              OMNI_DTYPE              auto
     attention_backend  OMNI_ATTENTION_BACKEND  auto
+    enforce_eager      OMNI_ENFORCE_EAGER      false (true: never capture CUDA graphs)
+    gpu_memory_utilization OMNI_GPU_MEMORY_UTILIZATION 0.75 of each GPU for its llm engine (weights,
+                                               activations, CUDA graphs, KV cache)
+    encoder_gpu_memory_fraction OMNI_ENCODER_GPU_MEMORY_FRACTION 0.04 of the GPU for each media encoder
+    diffusion_gpu_memory_fraction OMNI_DIFFUSION_GPU_MEMORY_FRACTION 0.08 of the GPU for the diffusion stage
     diffusion_model_path OMNI_DIFFUSION_MODEL_PATH <cache>/models/tiny-sd-random (diffusers pipeline folder)
+
+Derived placeholder: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
+KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU).
+The GPU shares (ops/gpu_budget.py) sum to 0.91 by default, leaving the rest for every process's CUDA context and
+Triton's memory pools.
 """
 
 from __future__ import annotations
@@ -57,22 +69,29 @@ class Settings:
         max_num_batched_tokens: per-step token budget of the engine (prefill chunks + decodes).
         max_queued_requests: requests the llm stage holds beyond `max_num_seqs` (waiting to run); a request
             beyond that is refused at once with UNAVAILABLE "waiting queue is full" (0: no limit).
-        device: "auto", "cpu" or "cuda[:n]" for the llm stage.
+        device: "auto", "cpu", "cuda" (every GPU, one llm engine each) or "cuda:N".
         dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
         attention_backend: "auto", "cpu", "torch" or "triton".
+        enforce_eager: never capture CUDA graphs.
+        gpu_memory_utilization: share of each GPU's memory its llm engine may use, in (0, 1].
+        encoder_gpu_memory_fraction, diffusion_gpu_memory_fraction: the other GPU stages' shares, in (0, 1].
         diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
     """
 
     llm_model_path: str = ""
     max_model_len: int = 2048
     max_num_seqs: int = 32
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    kv_cache_bytes: int = 0
     block_size: int = 16
     max_num_batched_tokens: int = 1024
     max_queued_requests: int = 256
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.75
+    encoder_gpu_memory_fraction: float = 0.04
+    diffusion_gpu_memory_fraction: float = 0.08
     diffusion_model_path: str = ""
 
     def __post_init__(self) -> None:
@@ -82,8 +101,8 @@ class Settings:
         if not self.diffusion_model_path:
             self.diffusion_model_path = _default_diffusion_model_path()
         self.diffusion_model_path = str(Path(self.diffusion_model_path).expanduser().absolute())
-        positive = ("max_model_len", "max_num_seqs", "kv_cache_bytes", "block_size", "max_num_batched_tokens")
-        for name in positive + ("max_queued_requests",):
+        positive = ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens")
+        for name in positive + ("max_queued_requests", "kv_cache_bytes"):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:
@@ -95,6 +114,22 @@ class Settings:
                 kind = "a positive integer" if low else "an integer >= 0"
                 raise ValueError(f"setting {name} must be {kind}, got {value!r}")
             setattr(self, name, value)
+        for name in ("gpu_memory_utilization", "encoder_gpu_memory_fraction", "diffusion_gpu_memory_fraction"):
+            value = getattr(self, name)
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"setting {name} must be a number in (0, 1], got {value!r}") from None
+            if isinstance(getattr(self, name), bool) or not 0.0 < value <= 1.0:
+                raise ValueError(f"setting {name} must be a number in (0, 1], got {getattr(self, name)!r}")
+            setattr(self, name, value)
+        if isinstance(self.enforce_eager, str):
+            if self.enforce_eager.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"setting enforce_eager must be true or false, got {self.enforce_eager!r}")
+            self.enforce_eager = self.enforce_eager.lower() in ("true", "1")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"setting enforce_eager must be true or false, got {self.enforce_eager!r}")
+        llm_instance_group(self.device, cuda_available=lambda: False)  # validates the device's form
 
     @classmethod
     def load(cls, overrides: dict | None = None, environ: dict | None = None) -> "Settings":
@@ -114,8 +149,41 @@ class Settings:
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:
-        """Placeholder name -> text substituted into templates."""
-        return {name: str(value) for name, value in asdict(self).items()}
+        """Placeholder name -> text substituted into templates (booleans as "true"/"false"), with the derived
+        `llm_instance_group`."""
+        values = {name: str(value).lower() if isinstance(value, bool) else str(value)
+                  for name, value in asdict(self).items()}
+        values["llm_instance_group"] = llm_instance_group(self.device)
+        return values
+
+
+def _torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def llm_instance_group(device: str, cuda_available=_torch_cuda_available) -> str:
+    """The llm model's Triton instance group for the `device` setting.
+
+    KIND_GPU on GPUs: Triton then starts one instance (stub process) per listed GPU and tells each its GPU
+    (`args["model_instance_device_id"]`), so every GPU gets its own engine, KV cache and governor: data parallel
+    inside one tritonserver, with Triton spreading requests over the instances. "cuda" lists every GPU, "cuda:N"
+    only GPU N; "auto" is "cuda" when torch can use CUDA (`cuda_available`, asked only for "auto").
+
+    Raises:
+        ValueError: not auto, cpu, cuda or cuda:N.
+    """
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    if device == "cpu":
+        return "{ count: 1 kind: KIND_CPU }"
+    if device == "cuda":
+        return "{ count: 1 kind: KIND_GPU }"
+    index = device.removeprefix("cuda:")
+    if device.startswith("cuda:") and index.isdigit():
+        return f"{{ count: 1 kind: KIND_GPU gpus: [ {int(index)} ] }}"
+    raise ValueError(f"setting device must be auto, cpu, cuda or cuda:N, got {device!r}")
 
 
 def model_names(templates: Path | None = None) -> list[str]:

@@ -11,9 +11,13 @@ def test_defaults_are_absolute_and_documented_values():
     assert settings.llm_model_path == str(paths.models_dir() / "SmolLM2-135M-Instruct")
     assert settings.llm_model_path.startswith("/")
     assert (settings.max_model_len, settings.max_num_seqs, settings.block_size) == (2048, 32, 16)
-    assert settings.kv_cache_bytes == 512 * 1024 * 1024
+    assert settings.kv_cache_bytes == 0  # the device's default: 512 MiB on CPU, the utilisation share on a GPU
     assert (settings.dtype, settings.attention_backend) == ("auto", "auto")
     assert settings.max_queued_requests == 256
+    assert (settings.enforce_eager, settings.gpu_memory_utilization) == (False, 0.75)
+    # the GPU stages' shares leave room for CUDA contexts: llm + two encoders + diffusion < 1
+    assert settings.gpu_memory_utilization + 2 * settings.encoder_gpu_memory_fraction \
+        + settings.diffusion_gpu_memory_fraction <= 0.92
 
 
 def test_environment_then_overrides():
@@ -27,10 +31,37 @@ def test_environment_then_overrides():
     ({"max_model_len": 0}, "max_model_len must be a positive integer"),
     ({"kv_cache_bytes": "lots"}, "kv_cache_bytes must be an integer"),
     ({"max_queued_requests": -1}, "max_queued_requests must be an integer >= 0, got -1"),
+    ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization must be a number in \\(0, 1\\]"),
+    ({"diffusion_gpu_memory_fraction": 0}, "diffusion_gpu_memory_fraction must be a number in"),
+    ({"enforce_eager": "maybe"}, "enforce_eager must be true or false"),
+    ({"device": "gpu"}, "device must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_settings_are_rejected(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
         Settings.load(overrides, environ={})
+
+
+def test_llm_instance_group_follows_the_device_setting():
+    assert repository.llm_instance_group("cpu") == "{ count: 1 kind: KIND_CPU }"
+    assert repository.llm_instance_group("cuda") == "{ count: 1 kind: KIND_GPU }"  # one engine per GPU
+    assert repository.llm_instance_group("cuda:2") == "{ count: 1 kind: KIND_GPU gpus: [ 2 ] }"
+    assert repository.llm_instance_group("auto", cuda_available=lambda: True) == "{ count: 1 kind: KIND_GPU }"
+    assert repository.llm_instance_group("auto", cuda_available=lambda: False) == "{ count: 1 kind: KIND_CPU }"
+
+
+def test_gpu_settings_are_rendered_into_the_llm_and_gpu_stage_configs(tmp_path):
+    out = tmp_path / "repo"
+    render_repository(out, models=["llm", "vision_encoder", "diffusion"], device="cuda:1", enforce_eager="true",
+                      gpu_memory_utilization=0.6, kv_cache_bytes=1 << 30, encoder_gpu_memory_fraction=0.03)
+    llm = (out / "llm" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 1 ] } ]" in llm
+    for key, value in (("enforce_eager", "true"), ("gpu_memory_utilization", "0.6"), ("kv_cache_bytes", "1073741824"),
+                       ("device", "cuda:1")):
+        assert f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}' in llm
+    assert 'key: "gpu_memory_fraction" value: { string_value: "0.03" }' in (
+        out / "vision_encoder" / "config.pbtxt").read_text()
+    assert 'key: "gpu_memory_fraction" value: { string_value: "0.08" }' in (
+        out / "diffusion" / "config.pbtxt").read_text()
 
 
 def test_render_config_substitutes_and_escapes():

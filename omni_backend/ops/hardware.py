@@ -231,18 +231,25 @@ def nvml_index(device: torch.device | str, nvml: Nvml) -> int:
     """NVML index of the GPU the engine runs on (matched by UUID when torch can tell; CUDA_VISIBLE_DEVICES
     renumbers CUDA devices but not NVML ones). A CPU engine maps to GPU 0."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_available():
         uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
         if uuid is not None:
             try:
                 return nvml.index_of_uuid(f"GPU-{uuid}")
             except NvmlUnavailable:
                 pass
-        return device.index or 0
-    return 0
+    return device.index or 0
 
 
 def runtime_versions() -> dict[str, str]:  # TEMPORARY until the gpu-install branch lands
     import triton
     return {"torch": torch.__version__, "cuda_runtime": torch.version.cuda or "", "cuda_driver": "",
             "triton": triton.__version__}
+
+
+def resolve_device(requested: str) -> str:  # TEMPORARY until the gpu-install branch lands
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested

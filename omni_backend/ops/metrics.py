@@ -2,7 +2,8 @@
 
 Every metric call is an IPC round trip from the stub to the server, so none happens on the engine loop: the
 loop and the response thread only append plain records, and `LLMService`'s metrics thread calls
-`LLMMetrics.publish` about once a second with an `LLMStats` snapshot. Families (labels `model`, `version`):
+`LLMMetrics.publish` about once a second with an `LLMStats` snapshot. Families (labels `model`, `version`, and
+`device`, the engine's device: a KIND_GPU instance group runs one llm instance per GPU in one server):
 
     omni_time_to_first_token_seconds    histogram  llm arrival -> first token sampled
     omni_inter_token_latency_seconds    histogram  per request: (e2e - TTFT) / (completion tokens - 1)
@@ -16,9 +17,15 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_requests_running / _waiting    gauge      engine's running list / waiting queue
     omni_kv_cache_blocks_used / _total  gauge      paged KV cache blocks
     omni_preemptions_total              counter    recompute preemptions
+    omni_oom_recoveries_total           counter    steps that ran out of device memory and were retried with
+                                                   half the token budget (engine/scheduler.py)
     omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
     omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
+    omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,fallback_reason}
+                                        gauge      1; the versions the engine runs with (cuda_driver: the CUDA
+                                                   version the driver supports, from NVML) and why its attention
+                                                   backend is not the first choice ("" when it is)
     omni_governor_state                 gauge      0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting
     omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
     omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz
@@ -69,6 +76,7 @@ class LLMStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     preemptions: int = 0
+    oom_recoveries: int = 0
     graph_replays: int = 0
     graph_padded_rows: int = 0
     eager_steps: int = 0
@@ -87,11 +95,15 @@ class LLMMetrics:
         pb_utils: `triton_python_backend_utils` (or a stand-in with its MetricFamily API).
         model, version: label values (Triton's own metrics use the same label names).
         attention_backend: name for the `omni_attention_backend` gauge.
+        device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
+        runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend
+            and fallback_reason); None: the gauge is not published.
     """
 
-    def __init__(self, pb_utils, model: str, version: str, attention_backend: str):
+    def __init__(self, pb_utils, model: str, version: str, attention_backend: str, device: str = "cpu",
+                 runtime_info: dict[str, str] | None = None):
         family = pb_utils.MetricFamily
-        labels = {"model": model, "version": str(version)}
+        labels = {"model": model, "version": str(version), "device": device}
         self._families = []  # a MetricFamily must outlive its metrics
 
         def metric(name, description, kind, buckets=None, **extra):
@@ -117,6 +129,8 @@ class LLMMetrics:
         self.kv_used = metric("omni_kv_cache_blocks_used", "KV cache blocks in use", G)
         self.kv_total = metric("omni_kv_cache_blocks_total", "KV cache blocks", G)
         self.preemptions = metric("omni_preemptions_total", "Sequences preempted (recompute)", C)
+        self.oom_recoveries = metric("omni_oom_recoveries_total",
+                                     "Steps out of device memory, retried with half the token budget", C)
         steps = pb_utils.MetricFamily(name="omni_engine_steps_total", kind=C,
                                       description="Engine steps by how the model ran (CUDA-graph replay or eager)")
         self._families.append(steps)
@@ -126,6 +140,10 @@ class LLMMetrics:
         self.backend = metric("omni_attention_backend", "1 for the attention backend in use", G,
                               backend=attention_backend)
         self.backend.set(1)
+        if runtime_info is not None:
+            self.runtime_info = metric("omni_runtime_info", "1; versions the llm engine runs with and why its "
+                                       "attention backend fell back", G, **runtime_info)
+            self.runtime_info.set(1)
         self.governor_state = metric("omni_governor_state",
                                      "0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting", G)
         self.num_seqs_limit = metric("omni_governor_max_num_seqs", "Sequences per step the governor allows", G)
@@ -153,6 +171,7 @@ class LLMMetrics:
         last = self._last
         for metric, delta in ((self.prompt_tokens, prompt), (self.generation_tokens, generated),
                               (self.preemptions, stats.preemptions - last.preemptions),
+                              (self.oom_recoveries, stats.oom_recoveries - last.oom_recoveries),
                               (self.graph_steps, stats.graph_replays - last.graph_replays),
                               (self.eager_steps, stats.eager_steps - last.eager_steps),
                               (self.padded_rows, stats.graph_padded_rows - last.graph_padded_rows)):
@@ -237,9 +256,13 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def governor_states(metrics_text: str) -> dict[tuple[str, str], int]:
-    """(model, version) -> omni_governor_state, from a Prometheus text page."""
-    return {(labels.get("model", ""), labels.get("version", "")): int(value)
-            for labels, value in parse_metrics(metrics_text).get("omni_governor_state", [])}
+    """(model, version) -> omni_governor_state, from a Prometheus text page; the highest state among a model's
+    instances (one per GPU), so one instance that refuses new requests shows."""
+    states: dict[tuple[str, str], int] = {}
+    for labels, value in parse_metrics(metrics_text).get("omni_governor_state", []):
+        key = (labels.get("model", ""), labels.get("version", ""))
+        states[key] = max(states.get(key, 0), int(value))
+    return states
 
 
 def admitting(metrics_url: str, timeout_s: float = 2.0) -> tuple[bool, str]:

@@ -172,14 +172,22 @@ class DiffusionStage:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str, limits: ImageLimits, device: str = "auto", dtype: str = "auto") -> "DiffusionStage":
+    def from_pretrained(cls, path: str, limits: ImageLimits, device: str = "auto", dtype: str = "auto",
+                        gpu_memory_fraction: float = 1.0) -> "DiffusionStage":
         """Load a local diffusers pipeline folder (offline). `auto`: CUDA in float16 when available, else CPU
-        in float32."""
+        in float32. On a GPU the process is capped at `gpu_memory_fraction` of its memory (ops/gpu_budget.py).
+
+        Raises:
+            ValueError: a malformed device or fraction; RuntimeError: a CUDA device torch cannot use.
+        """
         import torch
         from diffusers import DiffusionPipeline
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
+        from omni_backend.ops.hardware import resolve_device
+
+        device = resolve_device(device)
+        apply_gpu_memory_budget(device, gpu_memory_fraction, "diffusion")
         if dtype == "auto":
             dtype = "float16" if device.startswith("cuda") else "float32"
         pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, torch_dtype=getattr(torch, dtype))

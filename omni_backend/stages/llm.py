@@ -34,13 +34,14 @@ import urllib.error
 import urllib.request
 from typing import Callable, Protocol
 
-import torch
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.ops.governor import Governor, GovernorConfig
+from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
+from omni_backend.ops.hardware import resolve_device, runtime_versions
 from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
 
 logger = logging.getLogger(__name__)
@@ -149,15 +150,37 @@ def parent_server_probe(pid: int | None = None) -> tuple[Callable[[], bool] | No
     return stopping, exit_timeout_s
 
 
-def engine_config_from_parameters(parameters: dict[str, str]) -> EngineConfig:
-    """Build an EngineConfig from a Triton config's string `parameters` (see model_repository/llm).
+def instance_device(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None,
+                    resolve: Callable[[str], str] = resolve_device) -> str:
+    """The device of this model instance's engine.
 
-    device "auto" picks cuda when available. Raises ValueError for malformed values.
+    Triton tells a Python model its instance's kind and device (`args["model_instance_kind"]`,
+    `args["model_instance_device_id"]`). A KIND_GPU instance group runs one instance per listed GPU (data
+    parallel inside one tritonserver, see repository.llm_instance_group), and each instance's engine takes its
+    own GPU. Otherwise the `device` parameter decides ("auto", "cpu", "cuda", "cuda:N"), through `resolve`
+    (ops.hardware.resolve_device, which warns when NVML sees a GPU that torch cannot use and fails loudly for an
+    explicit CUDA device torch cannot use).
+
+    Raises:
+        ValueError: the device parameter contradicts a KIND_GPU instance; what `resolve` raises.
+    """
+    if instance_kind != "GPU":
+        return resolve(requested)
+    device = f"cuda:{int(instance_device_id or 0)}"
+    if requested == "cpu" or (requested.startswith("cuda:") and requested != device):
+        raise ValueError(f"device {requested!r} contradicts this KIND_GPU instance on {device}")
+    return resolve(device)
+
+
+def engine_config_from_parameters(parameters: dict[str, str], device: str) -> EngineConfig:
+    """Build an EngineConfig from a Triton config's string `parameters` (see model_repository/llm) for the engine
+    on `device` (`instance_device`). kv_cache_bytes "0" or empty: the device's default.
+
+    Raises:
+        ValueError: malformed values.
     """
     p = dict(parameters)
-    device = p.pop("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    p.pop("device", None)
     ints = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "num_kv_blocks")
     values: dict = {"model_path": p.pop("model_path"), "device": device}
@@ -166,6 +189,8 @@ def engine_config_from_parameters(parameters: dict[str, str]) -> EngineConfig:
             values[key] = int(p.pop(key))
         else:
             p.pop(key, None)
+    if values.get("kv_cache_bytes") == 0:
+        del values["kv_cache_bytes"]
     for key in ("dtype", "attention_backend"):
         if p.get(key):
             values[key] = p.pop(key)
@@ -275,6 +300,7 @@ class LLMService:
         self._wakeup.set()
 
     def _engine_loop(self) -> None:
+        self.engine.runner.device.bind_thread()  # kernels launch on the current device (engine/device.py)
         while not self._stopping.is_set():
             self._progress["engine loop"] = time.monotonic()
             try:
@@ -483,7 +509,7 @@ class LLMService:
         return LLMStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
-            preemptions=scheduler.num_preemptions,
+            preemptions=scheduler.num_preemptions, oom_recoveries=engine.num_oom_recoveries,
             graph_replays=graphs.num_replays if graphs else 0,
             graph_padded_rows=graphs.num_padded_rows if graphs else 0,
             eager_steps=runner.num_eager_steps,
@@ -573,20 +599,29 @@ def build_engine_on_a_passing_thread(config: EngineConfig) -> LLMEngine:
 
 
 def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm", version: str = "1",
-                   metrics_interval_s: float = 1.0) -> LLMService:
-    """Engine, governor and (with `pb_utils`) metrics from a Triton config's string parameters; not started.
+                   metrics_interval_s: float = 1.0, instance_kind: str | None = None,
+                   instance_device_id: str | int | None = None) -> LLMService:
+    """Engine, governor and (with `pb_utils`) metrics from a Triton config's string parameters, for the model
+    instance Triton describes (`instance_device`); not started. On a GPU the process is first capped at
+    `gpu_memory_utilization` of the device (ops/gpu_budget.py), the share the engine sizes its KV cache in.
 
     Raises:
-        ValueError: malformed parameters; what LLMEngine raises.
+        ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises.
     """
-    config = engine_config_from_parameters(parameters)
+    device = instance_device(parameters.get("device") or "auto", instance_kind, instance_device_id)
+    config = engine_config_from_parameters(parameters, device)
+    apply_gpu_memory_budget(device, config.gpu_memory_utilization, model)
     max_queued_requests = max_queued_requests_from_parameters(parameters)
     governor_config = GovernorConfig.from_parameters(parameters)
     engine = build_engine_on_a_passing_thread(config)
     governor = Governor.for_device(config.torch_device, config.max_num_seqs, governor_config)
     metrics = None
     if pb_utils is not None:
-        metrics = LLMMetrics(pb_utils, model, version, engine.runner.attention_backend)
+        runner = engine.runner
+        info = {**runtime_versions(), "attention_backend": runner.attention_backend,
+                "fallback_reason": runner.fallback_reason}
+        metrics = LLMMetrics(pb_utils, model, version, runner.attention_backend, str(runner.device.torch_device),
+                             info)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)
     stop_grace_s = max(0.0, exit_timeout_s - STOP_MARGIN_S) if exit_timeout_s is not None else None
     return LLMService(engine, governor, metrics, metrics_interval_s, max_queued_requests, probe, stop_grace_s)

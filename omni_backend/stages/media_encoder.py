@@ -101,12 +101,19 @@ class EncoderStage:
 
 
 def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
-    """The encoder stage from a model's config parameters (`model_path`, `device`, `dtype`)."""
+    """The encoder stage from a model's config parameters (`model_path`, `device`, `dtype`, and on a GPU its
+    share of device memory, `gpu_memory_fraction`: ops/gpu_budget.py).
+
+    Raises:
+        ValueError: a malformed device or memory fraction; RuntimeError: a CUDA device torch cannot use.
+    """
     import torch
 
-    device = parameters.get("device") or "auto"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
+    from omni_backend.ops.hardware import resolve_device
+
+    device = resolve_device(parameters.get("device") or "auto")
+    apply_gpu_memory_budget(device, float(parameters.get("gpu_memory_fraction") or 1.0), f"{kind}_encoder")
     dtype_name = parameters.get("dtype") or "auto"
     dtype = torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name)
     if dtype_name == "auto" and device.startswith("cuda"):

@@ -12,7 +12,7 @@ from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.stages.llm import (LOOP_STUCK_AFTER_S, LLMService, QueueFull,
                                      build_engine_on_a_passing_thread,
-                                     engine_config_from_parameters,
+                                     engine_config_from_parameters, instance_device,
                                      max_queued_requests_from_parameters, parent_server_probe, tritonserver_flags)
 
 
@@ -128,13 +128,35 @@ def test_the_engine_built_on_a_passing_thread_is_the_engine_and_its_errors_reach
 
 def test_engine_config_from_triton_parameters(tiny_qwen2_path):
     config = engine_config_from_parameters({
-        "model_path": tiny_qwen2_path, "device": "cpu", "dtype": "float32", "block_size": "32",
+        "model_path": tiny_qwen2_path, "device": "auto", "dtype": "float32", "block_size": "32",
         "kv_cache_bytes": "1048576", "max_num_seqs": "4", "max_num_batched_tokens": "64",
-        "max_model_len": "256", "attention_backend": "auto"})
-    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs, config.max_model_len) == (
-        32, 1048576, 4, 256)
+        "max_model_len": "256", "attention_backend": "auto", "gpu_memory_utilization": "0.5",
+        "enforce_eager": "true"}, device="cuda:1")
+    assert (config.device, config.block_size, config.kv_cache_bytes, config.max_num_seqs, config.max_model_len,
+            config.gpu_memory_utilization, config.enforce_eager) == ("cuda:1", 32, 1048576, 4, 256, 0.5, True)
+    default = engine_config_from_parameters({"model_path": "x", "kv_cache_bytes": "0"}, device="cpu")
+    assert default.kv_cache_bytes is None  # 0: the device's default (engine/memory.py)
     with pytest.raises(ValueError):
-        engine_config_from_parameters({"model_path": "x", "device": "cpu", "block_size": "sixteen"})
+        engine_config_from_parameters({"model_path": "x", "block_size": "sixteen"}, device="cpu")
+
+
+def test_each_kind_gpu_instance_takes_its_own_gpu():
+    """Triton's KIND_GPU instance group starts one llm instance per GPU and passes each its device id; the
+    engine device follows it (the CUDA check itself is injected: this machine has no GPU)."""
+    resolved = []
+
+    def resolve(device):
+        resolved.append(device)
+        return device
+
+    assert instance_device("auto", "GPU", "1", resolve) == "cuda:1"
+    assert instance_device("cuda", "GPU", 0, resolve) == "cuda:0"
+    assert instance_device("cuda:1", "GPU", "1", resolve) == "cuda:1"
+    assert resolved == ["cuda:1", "cuda:0", "cuda:1"]  # every GPU instance is checked for a usable CUDA torch
+    assert instance_device("auto", "CPU", "0", resolve) == "auto"  # a CPU instance: the device parameter decides
+    for requested in ("cpu", "cuda:0"):
+        with pytest.raises(ValueError, match="contradicts this KIND_GPU instance on cuda:1"):
+            instance_device(requested, "GPU", "1", resolve)
 
 
 def test_out_of_vocabulary_ids_are_refused_and_the_stage_keeps_serving(service):

@@ -140,3 +140,14 @@ def test_thresholds_derive_from_the_gpu_when_not_set():
     assert (config.power_threshold_w, config.critical_temp_c, config.power_fraction) == (250.0, 80.0, 0.9)
     with pytest.raises(ValueError, match="governor_min_num_seqs must be a number"):
         GovernorConfig.from_parameters({"governor_min_num_seqs": "two"})
+
+
+def test_each_gpu_engine_gets_the_governor_of_its_own_gpu():
+    """One llm instance per GPU (KIND_GPU): the engine on cuda:1 reads GPU 1, with GPU 1's limits."""
+    nvml = FakeNvml([FakeGpu(uuid="GPU-a", power_limit_w=700), FakeGpu(uuid="GPU-b", power_limit_w=350)])
+    first, second = (Governor.for_device(f"cuda:{i}", 32, GovernorConfig(), nvml_module=nvml) for i in (0, 1))
+    assert (first.gpu_index, first.gpu.power_limit_w, first.power_threshold_w) == (0, 700, 630.0)
+    assert (second.gpu_index, second.gpu.power_limit_w, second.power_threshold_w) == (1, 350, 315.0)
+    nvml.gpus[1].power_w = 340  # only GPU 1 runs hot: only its engine lowers its sequences per step
+    first.tick(1.0), second.tick(1.0)
+    assert first.num_seqs == 32 and second.num_seqs == 24

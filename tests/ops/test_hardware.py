@@ -76,3 +76,12 @@ def test_cpu_device_picks_the_cpu_kernel_and_cpu_is_refused_for_cuda(monkeypatch
         hardware.select_attention_backend("triton", cpu, None)
     with pytest.raises(ValueError, match="attention_backend=cpu runs on CPU tensors"):
         hardware.select_attention_backend("cpu", torch.device("cuda", 0), (9, 0))
+
+
+def test_gpu_memory_budget_is_checked_and_does_nothing_on_cpu():
+    from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
+
+    apply_gpu_memory_budget("cpu", 0.5, "llm")  # a CPU stage has no device budget
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="llm: the GPU memory fraction must be in"):
+            apply_gpu_memory_budget("cpu", bad, "llm")

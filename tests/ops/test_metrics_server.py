@@ -119,7 +119,17 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     assert "omni_cuda_graph_padded_rows_total" in after
     # the C++ decode kernel (CPU default), or torch where there is no compiler to build it
     cpu_kernel_buildable = shutil.which(os.environ.get("CXX", "g++")) is not None
-    assert value(after, "omni_attention_backend", backend="cpu" if cpu_kernel_buildable else "torch") == 1
+    backend = "cpu" if cpu_kernel_buildable else "torch"
+    assert value(after, "omni_attention_backend", backend=backend, device="cpu") == 1
+    # the versions it runs with (no CUDA here: empty CUDA labels) and no fallback from the first choice
+    import torch
+    import triton
+    info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="",
+                attention_backend=backend)
+    if cpu_kernel_buildable:
+        info["fallback_reason"] = ""
+    assert value(after, "omni_runtime_info", **info) == 1
+    assert "omni_oom_recoveries_total" in after and delta("omni_oom_recoveries_total") == 0
     # governor and GPU readings (the fake GPU: 120 W of 300, 50 C)
     gpu = server.fake_gpu
     assert value(after, "omni_governor_state") == 1 and value(after, "omni_governor_max_num_seqs") == 8

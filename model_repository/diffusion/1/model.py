@@ -15,7 +15,8 @@ class TritonPythonModel:
         parameters = json.loads(args["model_config"]).get("parameters", {})
         setting = {key: value["string_value"] for key, value in parameters.items()}
         self.stage = DiffusionStage.from_pretrained(setting["model_path"], ImageLimits.from_parameters(setting),
-                                                    setting.get("device", "auto"), setting.get("dtype", "auto"))
+                                                    setting.get("device", "auto"), setting.get("dtype", "auto"),
+                                                    float(setting.get("gpu_memory_fraction") or 1.0))
         self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):

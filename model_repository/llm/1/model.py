@@ -72,7 +72,9 @@ class TritonPythonModel:
     def initialize(self, args):
         parameters = json.loads(args["model_config"]).get("parameters", {})
         self.service = create_service({k: v["string_value"] for k, v in parameters.items()}, pb_utils,
-                                      args["model_name"], args["model_version"])
+                                      args["model_name"], args["model_version"],
+                                      instance_kind=args.get("model_instance_kind"),
+                                      instance_device_id=args.get("model_instance_device_id"))
         self.service.start()
         self.hidden_size = self.service.engine.runner.model.embed_tokens.weight.shape[1]
 

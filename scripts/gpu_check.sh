@@ -7,7 +7,8 @@
 # and the exit status is non-zero if any failed:
 #   1. pytest tests/kernels on CUDA, without the Triton interpreter (fp32, fp16 and bf16);
 #      JUnit XML to $OUT/kernels_junit.xml when OUT is set.
-#   2. scripts/bench_decode_kernel.py: paged decode, batch 64 x context 4096, 8B-like heads, bf16;
+#   2. scripts/bench_decode_kernel.py: paged decode at SmolLM2-135M's and an 8B model's heads, batch 64 x
+#      context 4096 in 8192-token block tables, bf16, against the measured copy bandwidth;
 #      JSON to $OUT/gpu_check.json if OUT is set, else benchmarks/results/gpu_check.json.
 #   3. engine checks (below the "# engine checks" marker).
 set -euo pipefail

@@ -7,8 +7,9 @@ Triton's wheel; no device is needed. Each cubin's resource usage is then read wi
 bundled next to it (``--dump-resource-usage``): registers are printed, and a kernel with register
 spills (a non-zero ``STACK`` or ``LOCAL`` frame) fails, since the launch configs are chosen to avoid
 them. Shapes: the served models' heads (SmolLM2-135M: 9 query / 3 KV heads at head_dim 64; an 8B
-Llama-3-class model: 32 / 8 at 128) and plain multi-head attention at head_dim 64, in fp32/fp16/bf16,
-with the reduce kernel at 2 and 64 splits (its narrowest and widest). Must run with TRITON_INTERPRET
+Llama-3-class model: 32 / 8 at 128) in fp32/fp16/bf16, with the reduce kernel at 2 and 64 splits (its
+narrowest and widest). GQA groups up to 16 share one tile shape in the decode kernel (the group is padded to
+16 rows), so group 3 also stands for multi-head attention at head_dim 64. Must run with TRITON_INTERPRET
 unset (the interpreter patches ``triton.language``), hence a separate process (see
 test_kernels_compile.py).
 
@@ -44,7 +45,7 @@ _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 _INDEX_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
                "slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
 # (num_q_heads, num_kv_heads, head_dim)
-SHAPES = {"135m": (9, 3, 64), "8b": (32, 8, 128), "mha": (8, 8, 64)}
+SHAPES = {"135m": (9, 3, 64), "8b": (32, 8, 128)}
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
 
 

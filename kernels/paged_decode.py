@@ -50,7 +50,9 @@ _MAX_SPLITS = 64
 
 
 class DecodeWorkspace(NamedTuple):
-    """fp32 scratch for the split partials; leading dims may exceed the batch (sliced to B).
+    """fp32 scratch for the split partials; leading dims may exceed the batch (sliced to B), and any strides
+    work, e.g. views ``[:, :, :num_splits]`` of a workspace allocated for the most splits, so one allocation
+    serves every CUDA-graph bucket (``max_logit`` and ``sum_exp`` must share strides).
 
     max_logit, sum_exp: ``[>=B, num_q_heads, num_splits]``; partial_out:
     ``[>=B, num_q_heads, num_splits, head_dim]``. ``max_logit`` is in log2 units. After a call, a

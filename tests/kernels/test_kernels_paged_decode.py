@@ -7,6 +7,7 @@ from kernel_testing import (ATOL, DEVICE, DTYPES, INTERPRET, PagedKV, assert_clo
 
 from kernels.paged_decode import (
     LOG2E,
+    DecodeWorkspace,
     _launch_config,
     alloc_decode_workspace,
     default_num_splits,
@@ -184,7 +185,8 @@ def test_decode_zero_context_rows_are_zero(num_splits):
 
 
 def test_decode_preallocated_buffers_and_strided_query():
-    """out/workspace larger than the batch (CUDA-graph style), a strided query, head_dim not a power of 2."""
+    """out/workspace larger than the batch (CUDA-graph style) or sliced from a wider one, a strided query,
+    head_dim not a power of 2."""
     head_dim, group, num_splits = 24, 2, 3
     lens = [9, 40, 100]
     kv, _, context_lens = _setup(lens, 16, group, head_dim, torch.float32, seed=3)
@@ -203,6 +205,12 @@ def test_decode_preallocated_buffers_and_strided_query():
     assert got is out
     assert_close(out, ref, ATOL[torch.float32], "kernel into preallocated out")
     assert torch.isnan(big_out[len(lens):]).all(), "rows past the batch must not be written"
+    # One workspace for every bucket, sized for the most splits and sliced to each bucket's count (strided views).
+    wide = alloc_decode_workspace(8, query.shape[1], head_dim, 32, DEVICE)
+    out.fill_(float("nan"))
+    paged_decode_attention(*args, num_splits=num_splits, out=out,
+                           workspace=DecodeWorkspace(*(t[:, :, :num_splits] for t in wide)))
+    assert_close(out, ref, ATOL[torch.float32], "kernel with a workspace sliced to num_splits")
     ref_out = torch.empty_like(out)
     assert paged_decode_attention_reference(*args, out=ref_out) is ref_out
 

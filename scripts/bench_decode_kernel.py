@@ -11,8 +11,8 @@ Measured, all with CUDA events (median over repetitions of back-to-back calls, a
   * the device's memory bandwidth: a device-to-device ``copy_`` of ``--copy-mib`` MiB, counting the bytes read
     plus the bytes written;
   * per shape: the kernel's time per call eager (Python launch in the queue) and replayed from a CUDA graph
-    (kernel 1 + reduce), with ``num_splits`` from ``kernels.paged_decode.default_num_splits`` (the engine's
-    rule) unless ``--num-splits``; its effective KV-read bandwidth, bytes = 2 (K and V) * B * context *
+    (kernel 1 + reduce), with ``num_splits`` from ``kernels.paged_decode.default_num_splits`` (the per-bucket
+    rule for the engine) unless ``--num-splits``; its effective KV-read bandwidth, bytes = 2 (K and V) * B * context *
     kv_heads * head_dim * element size, as % of the measured copy bandwidth (target >= 60 %); eager time for
     each ``--sweep-splits`` value; the torch reference's time.
 Every kernel result (default splits eager and replayed, each swept split count) is compared with the torch
@@ -53,8 +53,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Largest max |kernel - reference| allowed, relative to max |reference|. Relative, because random K/V make each
 # output an average of thousands of random V rows, so its scale is small (max |out| ~ 0.1 at context 4096) and an
 # absolute bound that covers bf16 rounding at |out| ~ 1 would also pass a kernel that skipped part of the
-# context. Expected differences: one rounding of the output (bf16: 2^-9 relative) and the kernel's P rounded to
-# the input dtype for P @ V; both far below these bounds.
+# context. Expected differences: one rounding of the output (bf16: up to 2^-8 relative) and the kernel's P rounded
+# to the input dtype for P @ V; a CPU emulation of the kernel's bf16 arithmetic at both shapes (batch 4, context
+# 4096) differed from the reference by 0.004 of max |reference|, and skipping the last quarter of the context by 0.5.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 TARGET_PCT_OF_COPY = 60.0
 

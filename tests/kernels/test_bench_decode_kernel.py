@@ -17,7 +17,7 @@ from kernel_testing import DEVICE
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
                       "bench_decode_kernel.py")
 # One sequence of 40 tokens in an 8-column table: default_num_splits gives 1 (direct output), the sweep adds 3.
-TINY = ["--batch", "1", "--context", "40", "--max-model-len", "128", "--dtype", "fp32", "--sweep-splits", "1,3",
+TINY = ["--batch", "1", "--context", "40", "--max-model-len", "128", "--dtype", "fp32", "--sweep-splits", "3",
         "--warmup", "0", "--reps", "1", "--inner", "1", "--copy-mib", "1"]
 
 
@@ -71,9 +71,9 @@ def test_bench_measures_both_production_shapes(bench, tmp_path):
         assert s["heads"] == {"q": hq, "kv": hkv, "head_dim": d}
         assert s["num_splits"] == 1 and s["programs"] == hkv
         assert s["kv_bytes"] == 2 * 40 * hkv * d * 4
-        assert set(s["agrees"]) == {"eager", "graph", "num_splits=1", "num_splits=3"} and all(s["agrees"].values())
+        assert set(s["agrees"]) == {"eager", "graph", "num_splits=3"} and all(s["agrees"].values())
         assert s["graph_error"] is None
-        assert set(s["eager_ms_by_num_splits"]) == {"1", "3"} and s["fastest_num_splits_eager"] in (1, 3)
+        assert set(s["eager_ms_by_num_splits"]) == {"3"} and s["fastest_num_splits_eager"] in (1, 3)
         for key in ("kernel_ms_eager", "kernel_ms_graph", "reference_ms", "compile_s"):
             assert math.isfinite(s[key]) and s[key] > 0, key
         for mode in ("eager", "graph"):  # bytes / time and % of the copy, to the JSON's rounding (0.1)
@@ -93,7 +93,7 @@ def test_bench_measures_both_production_shapes(bench, tmp_path):
 def test_bench_fails_on_disagreement(bench, monkeypatch):
     """With a tolerance nothing can meet, every comparison fails and the run says so (exit status 1 in main)."""
     monkeypatch.setitem(bench.TOLERANCE, torch.float32, -1.0)
-    _, result = _measure(bench, TINY + ["--shapes", "135m", "--sweep-splits", "3"])
+    _, result = _measure(bench, TINY + ["--shapes", "135m"])
     shape = result["shapes"]["135m"]
     assert not result["ok"] and not shape["ok"]
     assert not any(shape["agrees"].values())

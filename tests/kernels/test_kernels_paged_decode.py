@@ -88,8 +88,7 @@ def test_decode_table_wider_than_context(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [3, 4])
-def test_decode_partitions_follow_context_length(num_splits, dtype):
+def test_decode_partitions_follow_context_length(dtype):
     """Every split of a sequence with at least num_splits KV tiles gets work, though the table is 128 columns
     (2048 tokens) wide: partitions come from context_lens on the device, not from the table's capacity.
 
@@ -97,9 +96,10 @@ def test_decode_partitions_follow_context_length(num_splits, dtype):
     documented rule is non-empty; empty splits hold m = -inf, l = 0 and leave partial_out untouched (the reduce
     must not read it: the output stays finite); in fp32 each split's m and l match float64 over exactly its range.
     """
-    head_dim, group, block_size = 32, 2, 16
+    head_dim, group, block_size, num_splits = 32, 2, 16, 4
     tile = _kv_tile(head_dim, dtype)
-    # At the threshold, one token past it (uneven shares), between tiles, shorter than num_splits tiles, empty.
+    # At the threshold, one token past it (uneven shares: 1, 1, 1, 2 tiles), a partial last tile, shorter than
+    # num_splits tiles, empty.
     lens = [num_splits * tile, num_splits * tile + 1, 150, 5, 0]
     kv, query, context_lens = _setup(lens, block_size, group, head_dim, dtype, seed=9, table_width=128)
     scale = default_scale(head_dim)

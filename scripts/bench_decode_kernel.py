@@ -55,7 +55,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # absolute bound that covers bf16 rounding at |out| ~ 1 would also pass a kernel that skipped part of the
 # context. Expected differences: one rounding of the output (bf16: up to 2^-8 relative) and the kernel's P rounded
 # to the input dtype for P @ V; a CPU emulation of the kernel's bf16 arithmetic at both shapes (batch 4, context
-# 4096) differed from the reference by 0.004 of max |reference|, and skipping the last quarter of the context by 0.5.
+# 4096) differed from the reference by 0.004 of max |reference|; skipping the last 64 tokens (one KV tile) of the
+# context differed by 0.15 at the 135m shape (0.015 absolute: within the absolute 3e-2 this script used before).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 TARGET_PCT_OF_COPY = 60.0
 

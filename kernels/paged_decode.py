@@ -2,18 +2,30 @@
 
 Algorithm: split-KV "flash-decoding" (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
 inference", PyTorch blog / Stanford CRFM, 2023). Each sequence's KV range is cut into ``num_splits``
-fixed partitions; kernel 1 runs over the grid ``(B, num_kv_heads, num_splits)`` and, for all query
+partitions (below); kernel 1 runs over the grid ``(B, num_kv_heads, num_splits)`` and, for all query
 heads of one GQA group at once, computes the partial softmax statistics of its partition with the
 online softmax of Milakov & Gimelshein, "Online normalizer calculation for softmax", arXiv:1805.02867
 (2018): running max ``m``, running sum ``l`` and the unnormalised partial output ``acc``, all fp32.
 Kernel 2 (grid ``(B, num_q_heads)``) rescales the partials to the global max and normalises:
 ``out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i`` with ``M = max_i m_i``.
 
-CUDA graphs: the grid and the partition size depend only on tensor shapes and ``num_splits``
-(``tokens_per_split = ceil(max_blocks_per_seq * block_size / num_splits)`` rounded up to the KV
-tile), never on ``context_lens`` values; a partition past a sequence's length does no KV work and
-writes an empty partial (``m = -inf, l = 0``). With ``out`` and ``workspace`` passed, the wrapper
-allocates nothing and does not synchronise, so it can be captured.
+Partitioning: program ``(b, h, s)`` loads ``context_lens[b]`` on the device, cuts the sequence into
+``T = ceil(context_len / BLOCK_N)`` KV tiles (``BLOCK_N``: the kernel's KV tile, see ``_launch_config``)
+and takes tiles ``[s * T // num_splits, (s + 1) * T // num_splits)``: near-equal runs (they differ by at
+most one tile) that follow the sequence's own length, not the block table's width. Every split of a
+sequence with ``T >= num_splits`` tiles does work; the splits of a shorter sequence that get no tile
+write an empty partial (``m = -inf, l = 0``; their ``acc`` is neither written nor read), which the
+reduce gives weight 0.
+
+CUDA graphs: the grids and every launch argument depend only on tensor shapes, dtypes and
+``num_splits``, never on ``context_lens`` values, so a captured launch stays valid for any lengths the
+block tables can hold. With ``out`` and ``workspace`` passed, the wrapper allocates nothing and does
+not synchronise, so it can be captured.
+
+Choosing ``num_splits``: fix it per decode batch size, e.g. once per captured CUDA-graph bucket, with
+:func:`default_num_splits` of the bucket's (padded) batch size, the model's KV heads and the block
+table's capacity; it adds splits until kernel 1 has about 1024 programs, when the batch alone has
+fewer. See that function for the reasoning.
 
 Softmax is computed base 2 (``exp2`` of scores pre-multiplied by ``scale * log2(e)``), which is
 mathematically identical to base e.
@@ -38,10 +50,14 @@ _MAX_SPLITS = 64
 
 
 class DecodeWorkspace(NamedTuple):
-    """fp32 scratch for the split partials; leading dims may exceed the batch (sliced to B).
+    """fp32 scratch for the split partials; leading dims may exceed the batch (sliced to B), and any strides
+    work, e.g. views ``[:, :, :num_splits]`` of a workspace allocated for the most splits, so one allocation
+    serves every CUDA-graph bucket (``max_logit`` and ``sum_exp`` must share strides).
 
     max_logit, sum_exp: ``[>=B, num_q_heads, num_splits]``; partial_out:
-    ``[>=B, num_q_heads, num_splits, head_dim]``. ``max_logit`` is in log2 units.
+    ``[>=B, num_q_heads, num_splits, head_dim]``. ``max_logit`` is in log2 units. After a call, a
+    split with no KV tokens holds ``max_logit = -inf, sum_exp = 0`` and its ``partial_out`` is left
+    as it was (never read).
     """
 
     max_logit: torch.Tensor
@@ -61,13 +77,36 @@ def alloc_decode_workspace(
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Static split count from shapes only: aim for ~1024 programs in kernel 1, but keep at least
-    256 tokens of capacity per split and at most 64 splits.
+    """Static split count for a decode batch size: ``clamp(ceil(1024 / (batch * num_kv_heads)), 1,
+    min(64, max_context // 256))``.
+
+    Call it once per decode batch size the caller launches with, e.g. per captured CUDA-graph bucket
+    with the bucket's padded size, and keep the result for every launch of that size (and the
+    workspace allocated for it). It depends only on these static ints, never on context lengths.
+
+    Reasoning (a rule from the work split, not tuned on hardware; ``scripts/bench_decode_kernel.py``
+    times a sweep of ``num_splits`` to check it):
+
+    * Kernel 1 runs ``batch * num_kv_heads * num_splits`` programs, and each reads ``~context /
+      num_splits`` tokens. Decode is bound by the KV read, which needs enough programs to keep every
+      SM streaming: splits are added until there are about 1024 programs (several per SM on a
+      132-SM H100/H200; a batch that already has that many gets 1 split and no reduce kernel).
+    * Each split costs an fp32 partial (``GROUP * head_dim`` values written, then read by the
+      reduce); at least 256 tokens per split at full capacity keeps that traffic within
+      ``GROUP / 128`` of the split's 16-bit K/V bytes (3 % at GQA group 4). Because partitions
+      follow each sequence's own length, a sequence shorter than the capacity gets shorter
+      partitions (down to one KV tile), and a split that gets no tile costs only an empty program
+      and two stored floats per head, so sizing by capacity wastes little on short contexts.
+    * At most 64 splits bounds the workspace and the reduce kernel's width.
 
     Args:
         batch: rows in the (possibly padded) batch.
-        num_kv_heads: KV heads.
-        max_context: token capacity of a block-table row (``max_blocks_per_seq * block_size``).
+        num_kv_heads: KV heads of the model (of one tensor-parallel rank).
+        max_context: token capacity of a block-table row (``max_blocks_per_seq * block_size``, i.e. the
+            model's context limit rounded up to a block).
+
+    Returns:
+        An int in ``[1, 64]``.
     """
     want = math.ceil(_TARGET_PROGRAMS / max(1, batch * num_kv_heads))
     cap = max(1, min(_MAX_SPLITS, max_context // _MIN_TOKENS_PER_SPLIT))
@@ -92,16 +131,6 @@ def _launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return block_d, block_n, num_warps, num_stages
 
 
-def tokens_per_split(max_context: int, num_splits: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Partition length in tokens: ``ceil(max_context / num_splits)`` rounded up to the KV tile.
-
-    Depends only on shapes, ``num_splits`` and dtype, so a captured launch stays valid for any
-    ``context_lens`` values.
-    """
-    block_n = _launch_config(head_dim, dtype)[1]
-    return triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-
-
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -114,7 +143,7 @@ def _decode_partial_kernel(
     stride_mb, stride_mh, stride_ms,
     stride_ab, stride_ah, stride_as, stride_ad,
     stride_ob, stride_oh, stride_od,
-    head_dim, tokens_per_split,
+    head_dim, num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -127,9 +156,13 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # This split's share of the sequence's own KV tiles (module docstring): tiles
+    # [split * T // num_splits, (split + 1) * T // num_splits), cut at context_len. int32 products:
+    # exact while context_len * num_splits / BLOCK_N < 2**31 (any context below 2**29 tokens).
     context_len = tl.load(context_lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, context_len)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    start = (split * num_tiles) // num_splits * BLOCK_N
+    end = tl.minimum(((split + 1) * num_tiles) // num_splits * BLOCK_N, context_len)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
@@ -191,9 +224,11 @@ def _decode_partial_kernel(
         stat_off = b * stride_mb + head * stride_mh + split * stride_ms
         tl.store(m_ptr + stat_off, m_i, mask=g_mask)
         tl.store(l_ptr + stat_off, l_i, mask=g_mask)
+        # An empty split (no token: l = 0, m = -inf; a token's own max adds exp2(0) = 1 to l) leaves acc
+        # unwritten: the reduce does not read it.
         tl.store(
             acc_ptr + b * stride_ab + head[:, None] * stride_ah + split * stride_as + d[None, :] * stride_ad,
-            acc, mask=g_mask[:, None] & d_mask[None, :],
+            acc, mask=(g_mask & (l_i > 0.0))[:, None] & d_mask[None, :],
         )
 
 
@@ -216,9 +251,10 @@ def _decode_reduce_kernel(
     stat_off = b * stride_mb + head * stride_mh + sp * stride_ms
     m = tl.load(m_ptr + stat_off, mask=s_mask, other=float("-inf"))
     l = tl.load(l_ptr + stat_off, mask=s_mask, other=0.0)
+    full = m > float("-inf")  # empty splits never wrote acc
     acc = tl.load(
         acc_ptr + b * stride_ab + head * stride_ah + sp[:, None] * stride_as + d[None, :] * stride_ad,
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=full[:, None] & d_mask[None, :], other=0.0,
     )
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: avoid -inf - -inf
@@ -281,8 +317,9 @@ def paged_decode_attention(
             must already be stored). ``0`` produces an all-zero output row (padded batch rows).
             Must be ``<= max_blocks_per_seq * block_size``; not checked (no device sync).
         scale: softmax scale applied to ``q . k`` (usually ``head_dim ** -0.5``).
-        num_splits: KV partitions per sequence; ``None`` picks :func:`default_num_splits` from
-            shapes. Results agree across values up to fp rounding.
+        num_splits: KV partitions per sequence, each a near-equal share of that sequence's own
+            ``context_lens[b]`` tokens (module docstring); ``None`` picks :func:`default_num_splits`
+            from shapes. Results agree across values up to fp rounding.
         out: optional preallocated ``[B, num_q_heads, head_dim]`` output in query's dtype.
         workspace: optional :class:`DecodeWorkspace` (see :func:`alloc_decode_workspace`), needed
             to avoid allocation when ``num_splits > 1``; requires ``num_splits`` to be given.
@@ -306,7 +343,6 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if batch == 0:
         return out
-    tps = tokens_per_split(max_context, num_splits, head_dim, query.dtype)
     block_d, block_n, num_warps, num_stages = _launch_config(head_dim, query.dtype)
     direct = num_splits == 1
     if direct:
@@ -327,7 +363,7 @@ def paged_decode_attention(
         *query.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         *m_strides, *acc_strides, *out.stride(),
-        head_dim, tps,
+        head_dim, num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,

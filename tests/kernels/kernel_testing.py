@@ -29,12 +29,16 @@ class PagedKV:
     of last blocks, spare blocks) is NaN, and block 0 is entirely NaN, so code that maps masked
     positions to block 0 and then lets the values through is caught too. Block-table entries past
     a row's length are garbage: block 0, ``-1`` or an id past the end of the cache.
+    ``table_width``: block-table columns (default: the longest row's blocks + 1), e.g. an engine's
+    ``max_model_len / block_size``, much wider than the contexts.
     """
 
-    def __init__(self, lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=2):
+    def __init__(self, lens, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks=2, table_width=None):
         self.block_size = block_size
         needed = [cdiv(n, block_size) for n in lens]
-        max_blocks = max(needed + [1]) + 1
+        max_blocks = max(needed + [1]) + 1 if table_width is None else table_width
+        if max_blocks < max(needed + [0]):
+            raise ValueError(f"table_width {max_blocks} cannot hold {max(needed)} blocks")
         num_blocks = sum(needed) + spare_blocks + 1
         perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         shape = (num_blocks, block_size, num_kv_heads, head_dim)

@@ -2,26 +2,43 @@
 
 import pytest
 import torch
-from kernel_testing import (ATOL, DEVICE, DTYPES, INTERPRET, PagedKV, assert_close, bad_decode_overrides, default_scale,
-                            naive_attention)
+from kernel_testing import (ATOL, DEVICE, DTYPES, INTERPRET, PagedKV, assert_close, bad_decode_overrides, cdiv,
+                            default_scale, naive_attention)
 
 from kernels.paged_decode import (
+    LOG2E,
+    DecodeWorkspace,
+    _launch_config,
     alloc_decode_workspace,
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
-    tokens_per_split,
 )
 
 NUM_KV_HEADS = 2
+# (num_q_heads, num_kv_heads, head_dim) of the served models: SmolLM2-135M and an 8B Llama-3-class model.
+PRODUCTION_HEADS = {"135m": (9, 3, 64), "8b": (32, 8, 128)}
 
 
-def _setup(lens, block_size, group, head_dim, dtype, seed=0):
+def _setup(lens, block_size, group, head_dim, dtype, seed=0, num_kv_heads=NUM_KV_HEADS, table_width=None):
     gen = torch.Generator().manual_seed(seed)
-    kv = PagedKV(lens, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
-    query = torch.randn(len(lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(DEVICE, dtype)
+    kv = PagedKV(lens, block_size, num_kv_heads, head_dim, dtype, gen, table_width=table_width)
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return kv, query, context_lens
+
+
+def _kv_tile(head_dim, dtype):
+    """The kernel's KV tile (BLOCK_N) for this head_dim and dtype."""
+    return _launch_config(head_dim, dtype)[1]
+
+
+def _split_ranges(context_len, num_splits, block_n):
+    """Token range [start, end) of each split, written from the rule in kernels/paged_decode.py's docstring:
+    split s takes KV tiles [s * T // num_splits, (s + 1) * T // num_splits) of T = ceil(context_len / block_n)."""
+    tiles = cdiv(context_len, block_n)
+    return [(s * tiles // num_splits * block_n, min((s + 1) * tiles // num_splits * block_n, context_len))
+            for s in range(num_splits)]
 
 
 def _naive(kv, query, lens, scale):
@@ -41,8 +58,8 @@ def test_decode_matches_reference_and_naive(block_size, group, dtype):
     lens = [1, block_size - 3, 37, 150]
     kv, query, context_lens = _setup(lens, block_size, group, head_dim, dtype)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, default_scale(head_dim))
-    max_context = kv.block_tables.shape[1] * block_size
-    assert 150 > tokens_per_split(max_context, 3, head_dim, dtype), "test must cover a multi-split sequence"
+    assert all(end > start for start, end in _split_ranges(150, 3, _kv_tile(head_dim, dtype))), \
+        "test must cover a sequence that spans three splits"
 
     ref = paged_decode_attention_reference(*args)
     assert ref.dtype == dtype and ref.shape == query.shape
@@ -51,6 +68,90 @@ def test_decode_matches_reference_and_naive(block_size, group, dtype):
         got = paged_decode_attention(*args, num_splits=num_splits)
         assert got.dtype == dtype and got.shape == query.shape
         assert_close(got, ref, ATOL[dtype], f"kernel num_splits={num_splits}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_table_wider_than_context(dtype):
+    """An engine-like block table (80 columns, 1280 tokens of capacity) far wider than the contexts: the columns
+    past each context hold garbage block ids (0: all-NaN, -1, past the cache) that must never be read."""
+    head_dim, group, block_size = 32, 3, 16
+    lens = [37, 150, 1, 0]
+    kv, query, context_lens = _setup(lens, block_size, group, head_dim, dtype, seed=8, table_width=80)
+    assert kv.block_tables.shape[1] - cdiv(150, block_size) >= 64, "at least 64 garbage columns past the context"
+    scale = default_scale(head_dim)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale)
+    ref = paged_decode_attention_reference(*args)
+    assert_close(ref, _naive(kv, query, lens, scale), ATOL[dtype], "reference vs float64")
+    for num_splits in (2, 3, 4):
+        assert_close(paged_decode_attention(*args, num_splits=num_splits), ref, ATOL[dtype],
+                     f"kernel num_splits={num_splits}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_partitions_follow_context_length(dtype):
+    """Every split of a sequence with at least num_splits KV tiles gets work, though the table is 128 columns
+    (2048 tokens) wide: partitions come from context_lens on the device, not from the table's capacity.
+
+    Checked through the workspace, NaN-filled before the call: a split's sum_exp > 0 iff its token range under the
+    documented rule is non-empty; empty splits hold m = -inf, l = 0 and leave partial_out untouched (the reduce
+    must not read it: the output stays finite); in fp32 each split's m and l match float64 over exactly its range.
+    """
+    head_dim, group, block_size, num_splits = 32, 2, 16, 4
+    tile = _kv_tile(head_dim, dtype)
+    # At the threshold, one token past it (uneven shares: 1, 1, 1, 2 tiles), a partial last tile, shorter than
+    # num_splits tiles, empty.
+    lens = [num_splits * tile, num_splits * tile + 1, 150, 5, 0]
+    kv, query, context_lens = _setup(lens, block_size, group, head_dim, dtype, seed=9, table_width=128)
+    scale = default_scale(head_dim)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale)
+    num_q_heads = query.shape[1]
+    ws = alloc_decode_workspace(len(lens), num_q_heads, head_dim, num_splits, DEVICE)
+    for t in ws:
+        t.fill_(float("nan"))
+    out = paged_decode_attention(*args, num_splits=num_splits, workspace=ws)
+    assert_close(out, paged_decode_attention_reference(*args), ATOL[dtype], "kernel vs reference")
+
+    for row in (0, 1):
+        assert (ws.sum_exp[row] > 0).all(), f"row {row} (context {lens[row]}): a split got no tokens"
+    for row, n in enumerate(lens):
+        for split, (start, end) in enumerate(_split_ranges(n, num_splits, tile)):
+            m, l_, acc = ws.max_logit[row, :, split], ws.sum_exp[row, :, split], ws.partial_out[row, :, split]
+            where = f"row {row} (context {n}) split {split} [{start}, {end})"
+            if end <= start:
+                assert (m == float("-inf")).all() and (l_ == 0).all(), f"{where}: not an empty partial"
+                assert torch.isnan(acc).all(), f"{where}: empty split wrote partial_out"
+                continue
+            assert (l_ > 0).all() and not torch.isnan(acc).any(), f"{where}: partial missing"
+            if dtype != torch.float32:
+                continue
+            k, _ = kv.sequence(row, end)
+            heads = torch.arange(num_q_heads, device=DEVICE)
+            # log2-unit scores of this split's keys for every query head: [num_q_heads, end - start]
+            s2 = torch.einsum("hd,nhd->hn", query[row].double(), k[start:, heads // group]) * scale * LOG2E
+            want_m = s2.max(dim=1).values
+            want_l = torch.exp2(s2 - want_m[:, None]).sum(dim=1)
+            torch.testing.assert_close(m.double(), want_m, rtol=0, atol=1e-5, msg=f"{where}: max_logit")
+            torch.testing.assert_close(l_.double(), want_l, rtol=1e-5, atol=0, msg=f"{where}: sum_exp")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", sorted(PRODUCTION_HEADS))
+def test_decode_production_head_shapes(model, dtype):
+    """The served models' heads (GQA group 3 at head_dim 64, group 4 at 128) over a table wider than the
+    contexts, in one split (kernel 1 writes the output) and in four (at 100 tokens, every split busy with 32-token
+    fp32 tiles, two of them empty with 64-token fp16 tiles). Contexts stay tiny for the interpreter."""
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    lens = [5, 100]
+    kv, query, context_lens = _setup(lens, 16, num_q_heads // num_kv_heads, head_dim, dtype, seed=10,
+                                     num_kv_heads=num_kv_heads, table_width=16)
+    scale = default_scale(head_dim)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale)
+    ref = paged_decode_attention_reference(*args)
+    assert_close(ref, _naive(kv, query, lens, scale), ATOL[dtype], "reference vs float64")
+    for num_splits in (1, 4):
+        ws = alloc_decode_workspace(len(lens), num_q_heads, head_dim, num_splits, DEVICE)
+        got = paged_decode_attention(*args, num_splits=num_splits, workspace=ws if num_splits > 1 else None)
+        assert_close(got, ref, ATOL[dtype], f"{model} kernel num_splits={num_splits}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,7 +185,8 @@ def test_decode_zero_context_rows_are_zero(num_splits):
 
 
 def test_decode_preallocated_buffers_and_strided_query():
-    """out/workspace larger than the batch (CUDA-graph style), a strided query, head_dim not a power of 2."""
+    """out/workspace larger than the batch (CUDA-graph style) or sliced from a wider one, a strided query,
+    head_dim not a power of 2."""
     head_dim, group, num_splits = 24, 2, 3
     lens = [9, 40, 100]
     kv, _, context_lens = _setup(lens, 16, group, head_dim, torch.float32, seed=3)
@@ -103,15 +205,33 @@ def test_decode_preallocated_buffers_and_strided_query():
     assert got is out
     assert_close(out, ref, ATOL[torch.float32], "kernel into preallocated out")
     assert torch.isnan(big_out[len(lens):]).all(), "rows past the batch must not be written"
+    # One workspace for every bucket, sized for the most splits and sliced to each bucket's count (strided views).
+    wide = alloc_decode_workspace(8, query.shape[1], head_dim, 32, DEVICE)
+    out.fill_(float("nan"))
+    paged_decode_attention(*args, num_splits=num_splits, out=out,
+                           workspace=DecodeWorkspace(*(t[:, :, :num_splits] for t in wide)))
+    assert_close(out, ref, ATOL[torch.float32], "kernel with a workspace sliced to num_splits")
     ref_out = torch.empty_like(out)
     assert paged_decode_attention_reference(*args, out=ref_out) is ref_out
 
 
 def test_default_num_splits_is_static_and_bounded():
-    assert default_num_splits(64, 8, 4096) == 2
-    assert default_num_splits(1, 8, 32768) == 64
-    assert default_num_splits(256, 8, 4096) == 1
-    assert default_num_splits(1, 1, 100) == 1
+    # The engine's buckets at max_model_len 8192 (block size 16: 512 columns, 8192 tokens of capacity).
+    assert [default_num_splits(b, 8, 8192) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [
+        32, 32, 32, 16, 8, 4, 2, 1, 1]  # 8B: 8 KV heads
+    assert [default_num_splits(b, 3, 8192) for b in (1, 8, 16, 24, 64, 256, 512)] == [
+        32, 32, 22, 15, 6, 2, 1]  # 135M: 3 KV heads
+    assert default_num_splits(1, 8, 32768) == 64  # 128 wanted, at most 64
+    assert default_num_splits(1, 1, 100) == 1  # less than 256 tokens of capacity: never split
+    for num_kv_heads in (1, 3, 8):
+        for capacity in (100, 2048, 8192, 131072):
+            splits = [default_num_splits(b, num_kv_heads, capacity) for b in range(1, 513)]
+            assert splits == sorted(splits, reverse=True), "more rows never get more splits"
+            for b, s in enumerate(splits, start=1):
+                assert 1 <= s <= min(64, max(1, capacity // 256)), "bounded by 64 and 256 tokens a split"
+                # About 1024 programs unless a bound stops it, with the fewest splits that get there.
+                assert b * num_kv_heads * s >= 1024 or s == min(64, max(1, capacity // 256))
+                assert s == 1 or b * num_kv_heads * (s - 1) < 1024
 
 
 @pytest.mark.parametrize("fn", [paged_decode_attention, paged_decode_attention_reference])
@@ -135,10 +255,13 @@ def test_decode_cpu_without_interpreter_raises(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_decode_cuda_graph_replay_follows_new_inputs():
-    """Capture once with static buffers, then change lengths/queries and replay (engine usage)."""
+    """Capture once with static buffers and an engine-wide table, then change lengths/queries and replay (engine
+    usage): the captured launch follows the new lengths, including its partitions (all four splits of a
+    300-token row busy after replay though the graph was captured with that row at 5 tokens)."""
     head_dim, group, num_splits, dtype = 64, 4, 4, torch.float16
-    lens_a, lens_b = [5, 100, 33, 0], [140, 1, 0, 77]
-    kv, query, _ = _setup([max(a, b) for a, b in zip(lens_a, lens_b)], 16, group, head_dim, dtype, seed=7)
+    lens_a, lens_b = [5, 100, 33, 0], [300, 1, 0, 77]
+    kv, query, _ = _setup([max(a, b) for a, b in zip(lens_a, lens_b)], 16, group, head_dim, dtype, seed=7,
+                          table_width=512)
     scale = default_scale(head_dim)
     static_q = query.clone()
     static_ctx = torch.tensor(lens_a, dtype=torch.int32, device=DEVICE)
@@ -158,3 +281,4 @@ def test_decode_cuda_graph_replay_follows_new_inputs():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, paged_decode_attention_reference(*args), ATOL[dtype], f"graph replay lens={lens}")
+    assert 300 >= num_splits * _kv_tile(head_dim, dtype) and (ws.sum_exp[0] > 0).all(), "a split of row 0 was idle"

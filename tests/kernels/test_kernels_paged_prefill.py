@@ -7,12 +7,15 @@ from kernel_testing import ATOL, DEVICE, DTYPES, PagedKV, assert_close, default_
 from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 NUM_KV_HEADS = 2
+# (num_q_heads, num_kv_heads, head_dim) of the served models: SmolLM2-135M and an 8B Llama-3-class model.
+PRODUCTION_HEADS = {"135m": (9, 3, 64), "8b": (32, 8, 128)}
 
 
-def _setup(q_lens, ctx_lens, block_size, group, head_dim, dtype, seed=0):
+def _setup(q_lens, ctx_lens, block_size, group, head_dim, dtype, seed=0, num_kv_heads=NUM_KV_HEADS,
+           table_width=None):
     gen = torch.Generator().manual_seed(seed)
-    kv = PagedKV(ctx_lens, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
-    query = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(DEVICE, dtype)
+    kv = PagedKV(ctx_lens, block_size, num_kv_heads, head_dim, dtype, gen, table_width=table_width)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
     starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
     return kv, query, starts, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
 
@@ -46,6 +49,23 @@ def test_prefill_matches_reference_and_naive(block_size, group, dtype):
     got = paged_prefill_attention(*args)
     assert got.dtype == dtype and got.shape == query.shape
     assert_close(got, ref, ATOL[dtype], "kernel vs reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", sorted(PRODUCTION_HEADS))
+def test_prefill_production_head_shapes(model, dtype):
+    """The served models' heads (GQA group 3 at head_dim 64, group 4 at 128): a one-token prompt, a chunk after a
+    cached prefix, a whole prompt, over a table wider than the contexts. Tiny for the interpreter."""
+    num_q_heads, num_kv_heads, head_dim = PRODUCTION_HEADS[model]
+    pairs = [(1, 1), (7, 40), (13, 13)]
+    q_lens, ctx_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    kv, query, starts, context_lens = _setup(q_lens, ctx_lens, 16, num_q_heads // num_kv_heads, head_dim, dtype,
+                                             seed=7, num_kv_heads=num_kv_heads, table_width=16)
+    scale = default_scale(head_dim)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, starts, context_lens, scale)
+    ref = paged_prefill_attention_reference(*args)
+    assert_close(ref, _naive(kv, query, q_lens, ctx_lens, scale), ATOL[dtype], "reference vs float64")
+    assert_close(paged_prefill_attention(*args), ref, ATOL[dtype], f"{model} kernel vs reference")
 
 
 def test_prefill_strided_query_odd_head_dim():

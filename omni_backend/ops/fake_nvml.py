@@ -8,6 +8,7 @@ reading, so a test can change what a running tritonserver's llm stage sees (`OMN
 
 Keys are `FakeGpu` fields; missing keys keep their defaults. `FakeNvml(missing=True)` behaves like a machine
 without the NVML library (nvmlInit raises NVMLError_LibraryNotFound, as pynvml does on this CPU machine).
+`cuda_driver_version` is the driver's CUDA as NVML encodes it (1000 * major + 10 * minor: 12080 is CUDA 12.8).
 """
 
 from __future__ import annotations
@@ -54,15 +55,17 @@ class FakeGpu:
 
 
 class FakeNvml:
-    """pynvml-compatible module over `gpus` (default one FakeGpu)."""
+    """pynvml-compatible module over `gpus` (default one FakeGpu) and a driver supporting CUDA 13.0 (13000)."""
 
     NVMLError = NVMLError
     NVML_TEMPERATURE_GPU = NVML_TEMPERATURE_GPU
     NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
     NVML_CLOCK_SM = NVML_CLOCK_SM
 
-    def __init__(self, gpus: list[FakeGpu] | None = None, missing: bool = False, path: Path | str | None = None):
+    def __init__(self, gpus: list[FakeGpu] | None = None, missing: bool = False, path: Path | str | None = None,
+                 cuda_driver_version: int = 13000):
         self.gpus = gpus if gpus is not None else [FakeGpu()]
+        self.cuda_driver_version = cuda_driver_version
         self.missing = missing
         self.path = Path(path) if path is not None else None
         self.initialized = False
@@ -98,6 +101,11 @@ class FakeNvml:
 
     def nvmlDeviceGetCount(self) -> int:
         return len(self.gpus)
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        if not self.initialized:
+            raise NVMLError(9)  # NVML_ERROR_UNINITIALIZED
+        return self.cuda_driver_version
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         if not 0 <= index < len(self.gpus):

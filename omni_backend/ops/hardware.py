@@ -10,14 +10,25 @@ tests pin float32.
 GPU inventory and readings come from NVML through nvidia-ml-py (`pynvml`). `Nvml` takes any module with
 pynvml's functions, so tests pass `omni_backend.ops.fake_nvml.FakeNvml`; `open_nvml()` picks the real one,
 or the fake when `OMNI_NVML_FAKE` names a JSON file of readings (a test and demo hook, see fake_nvml.py).
+
+Device resolution (`resolve_device`) never falls back silently: "auto" on a machine whose GPUs NVML sees but torch
+cannot use logs a WARNING with torch's and the driver's CUDA versions and the fix (the torch flavour to install,
+`omni_backend.setup.torch_flavor`), and an explicit "cuda" raises. `runtime_versions` names what runs (torch, its
+CUDA, the driver's CUDA, triton and the triton torch declares) for metrics and messages.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
+
+from omni_backend.setup import torch_flavor
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -243,13 +254,112 @@ def nvml_index(device: torch.device | str, nvml: Nvml) -> int:
     return device.index or 0
 
 
-def runtime_versions() -> dict[str, str]:  # TEMPORARY until the gpu-install branch lands
-    import triton
-    return {"torch": torch.__version__, "cuda_runtime": torch.version.cuda or "", "cuda_driver": "",
-            "triton": triton.__version__}
+# --- device resolution and runtime versions --------------------------------------------------------------------
 
 
-def resolve_device(requested: str) -> str:  # TEMPORARY until the gpu-install branch lands
+@dataclass(frozen=True)
+class CudaFacts:
+    """What decides whether the engine can run on CUDA (probed by `cuda_facts`, injected by tests).
+
+    Attributes:
+        torch_version: torch.__version__.
+        torch_cuda: torch.version.cuda ("13.0"), "" for a CPU build.
+        cuda_usable: torch.cuda.is_available().
+        device_count: torch.cuda.device_count() (0 when CUDA is not usable).
+        driver: GPUs NVML sees and the newest CUDA the driver supports; None when NVML is unavailable.
+    """
+
+    torch_version: str
+    torch_cuda: str
+    cuda_usable: bool
+    device_count: int
+    driver: torch_flavor.Driver | None
+
+    @property
+    def nvml_gpus(self) -> int:
+        return self.driver.gpus if self.driver else 0
+
+    @property
+    def driver_cuda(self) -> str:
+        """The driver's CUDA as text ("12.8"), "" when NVML is unavailable."""
+        return torch_flavor.version_text(self.driver.cuda) if self.driver else ""
+
+
+def cuda_facts(nvml_module=None) -> CudaFacts:
+    """Probe torch and NVML (the fake named by `OMNI_NVML_FAKE` when set, as `open_nvml` does, else pynvml)."""
+    if nvml_module is None and os.environ.get("OMNI_NVML_FAKE"):
+        from omni_backend.ops.fake_nvml import FakeNvml
+        nvml_module = FakeNvml.from_file(os.environ["OMNI_NVML_FAKE"])
+    usable = torch.cuda.is_available()
+    return CudaFacts(torch_version=torch.__version__, torch_cuda=torch.version.cuda or "", cuda_usable=usable,
+                     device_count=torch.cuda.device_count() if usable else 0,
+                     driver=torch_flavor.nvidia_driver(nvml_module))
+
+
+def _cuda_unusable(facts: CudaFacts) -> str:
+    """Why torch cannot use CUDA, with the versions involved and the fix."""
+    torch_cuda = facts.torch_cuda or "none (a CPU build)"
+    text = (f"torch {facts.torch_version} cannot use CUDA (torch's CUDA: {torch_cuda}; NVML sees "
+            f"{facts.nvml_gpus} GPU(s), the NVIDIA driver supports CUDA {facts.driver_cuda or 'unknown'})")
+    if facts.nvml_gpus == 0:
+        return text
+    built = tuple(int(part) for part in facts.torch_cuda.split(".")[:2]) if facts.torch_cuda else None
+    if built is None or built > facts.driver.cuda:
+        return f"{text}: {torch_flavor.advice(facts.driver)}"
+    return (f"{text}: torch's CUDA fits the driver, so check that this process may open the GPU "
+            "(CUDA_VISIBLE_DEVICES, the container's --gpus, /dev/nvidia* permissions)")
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
+
+
+def resolve_device(requested: str, facts: CudaFacts | None = None) -> str:
+    """Resolve the llm stage's device setting to "cpu", "cuda" or "cuda:N".
+
+    Args:
+        requested: "auto", "cpu", "cuda" or "cuda:N" (N a device index).
+        facts: torch/NVML facts (default: `cuda_facts()`; tests inject them).
+
+    "auto" is "cuda" when torch can use CUDA, else "cpu"; when NVML sees a GPU that torch cannot use, it logs a
+    WARNING naming torch's version and CUDA, the driver's CUDA and the fix (`OMNI_TORCH_CUDA=<flavour>` and rerun
+    scripts/setup.sh), and runs on CPU.
+
+    Raises:
+        ValueError: `requested` is not one of the forms above, or cuda:N is beyond torch's device count.
+        RuntimeError: "cuda"/"cuda:N" requested and torch cannot use CUDA (the message has the same facts as the
+            warning): an explicit GPU request never falls back to CPU.
+    """
+    match = _DEVICE.fullmatch(requested) if isinstance(requested, str) else None
+    if match is None:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    facts = facts or cuda_facts()
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if facts.cuda_usable:
+            return "cuda"
+        if facts.nvml_gpus > 0:
+            log.warning("device auto runs on CPU: %s", _cuda_unusable(facts))
+        return "cpu"
+    if not facts.cuda_usable:
+        raise RuntimeError(f"device {requested} requested, but {_cuda_unusable(facts)}")
+    index = match.group(1)
+    if index is not None and int(index) >= facts.device_count:
+        raise ValueError(f"device {requested}: torch sees {facts.device_count} CUDA device(s)")
     return requested
+
+
+def runtime_versions(facts: CudaFacts | None = None) -> dict[str, str]:
+    """Versions of what runs, as strings ("" for none), for the runtime-info metric and warning messages.
+
+    Keys: torch, cuda_runtime (torch.version.cuda), cuda_driver (NVML), triton (installed), triton_declared_by_torch
+    ("" for the CPU wheel, which declares none). `facts` as in `resolve_device`.
+    """
+    facts = facts or cuda_facts()
+    return {
+        "torch": facts.torch_version,
+        "cuda_runtime": facts.torch_cuda,
+        "cuda_driver": facts.driver_cuda,
+        "triton": torch_flavor.installed_version("triton"),
+        "triton_declared_by_torch": torch_flavor.triton_declared_by_torch(),
+    }

@@ -618,8 +618,9 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     metrics = None
     if pb_utils is not None:
         runner = engine.runner
-        info = {**runtime_versions(), "attention_backend": runner.attention_backend,
-                "fallback_reason": runner.fallback_reason}
+        versions = runtime_versions()
+        info = {key: versions[key] for key in ("torch", "cuda_runtime", "cuda_driver", "triton")}
+        info.update(attention_backend=runner.attention_backend, fallback_reason=runner.fallback_reason)
         metrics = LLMMetrics(pb_utils, model, version, runner.attention_backend, str(runner.device.torch_device),
                              info)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)

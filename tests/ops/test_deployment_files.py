@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import docker_image
 import yaml
 
 from omni_backend import paths, repository
@@ -56,8 +57,40 @@ def test_k8s_deployments_serve_existing_models_with_every_ensemble_step_alongsid
 
 
 def test_dockerfile_copies_what_the_repository_has():
-    text = (DOCKER / "Dockerfile").read_text()
-    assert re.findall(r"^FROM (\S+)", text, re.M) == ["nvcr.io/nvidia/tritonserver:24.10-py3"]
+    text = docker_image.dockerfile_text()
+    assert docker_image.base_release() in docker_image.NGC_TRITON_RELEASES
     for source in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", text, re.M):
         for path in source.split():
             assert (paths.PROJECT_ROOT / path).exists(), path
+
+
+def test_dockerfile_base_has_the_security_fixes_and_a_cuda_that_runs_the_torch_it_installs():
+    release = docker_image.base_release()
+    assert tuple(int(part) for part in release.split(".")) >= docker_image.OLDEST_SECURE_RELEASE
+    image_cuda = docker_image.NGC_TRITON_RELEASES[release].cuda
+    torch_cuda = docker_image.torch_flavor().cuda
+    # The image needs a driver for its CUDA; that driver runs torch's CUDA when both are one major version and torch's
+    # is not newer (drivers are backward compatible: NVIDIA "CUDA Compatibility"). A CPU torch would waste the image.
+    assert torch_cuda is not None and torch_cuda[0] == image_cuda[0] and torch_cuda <= image_cuda, (torch_cuda, image_cuda)
+
+
+def test_dockerfile_installs_torch_from_torch_flavor_into_a_venv_of_the_images_python():
+    text = docker_image.dockerfile_text()
+    packages = re.search(r"apt-get install -y --no-install-recommends ([^\\&\n]+)", text).group(1).split()
+    # python3-dev: OpenAI Triton compiles its launcher against Python.h; g++: that and the CPU decode kernel
+    assert {"python3-venv", "python3-dev", "g++"} <= set(packages)
+    assert re.search(r"^RUN python3 -m venv ", text, re.M)  # the image's python3, which its backend stub is built for
+    assert 'torch_flavor.py requirements "$OMNI_TORCH_CUDA"' in text
+    assert "-r /tmp/torch-requirements.txt -r requirements.txt" in text
+    assert 'torch_flavor.py check "$OMNI_TORCH_CUDA"' in text
+    # no torch or triton version of its own, no index of its own, and the image's own Python backend stub
+    assert not re.search(r"torch==|triton==|TORCH_VERSION|download\.pytorch\.org", text)
+    assert "python_backend_stub" not in text.replace("/opt/tritonserver/backends/python/triton_python_backend_stub", "")
+    assert "pytriton" not in text
+
+
+def test_dockerfile_runs_the_kernel_tests_when_the_build_sees_a_gpu():
+    text = docker_image.dockerfile_text()
+    assert "COPY tests/kernels ./tests/kernels" in text
+    step = re.search(r"^RUN if nvidia-smi -L; then(.*?)fi$", text, re.M | re.S).group(1)
+    assert "python -m pytest tests/kernels" in step and "kernel tests skipped at build time" in step

@@ -86,7 +86,7 @@ class ModelRunner:
         self.staging = HostToDeviceStaging(staging_capacity(config.max_num_batched_tokens, config.max_num_seqs),
                                            self.device)
 
-        capture = self._capture_graphs()
+        capture = self._graphs_wanted()
         block_bytes = kv_block_bytes(hf_config, config.block_size, self.dtype)
         profile = None
         if self.device.is_cuda and config.num_kv_blocks is None and config.kv_cache_bytes is None:
@@ -161,7 +161,7 @@ class ModelRunner:
         model.load_weights(self.config.model_path)
         return model.eval()
 
-    def _capture_graphs(self) -> bool:
+    def _graphs_wanted(self) -> bool:
         """Whether decode runs through CUDA graphs: on a GPU, with the triton backend, unless enforce_eager."""
         if not self.device.is_cuda:
             return False

@@ -66,9 +66,10 @@ real SmolLM2 next-token distributions keep more than 64 tokens (scripts/bench_sa
 GROWTH = 16
 """A row whose kept set goes past its K candidates is redone with GROWTH * K, or with the full sort once that
 would reach V / 4 (a topk that large costs about as much as sorting)."""
-CPU_BLOCK_ELEMENTS = 1 << 20
-"""On the CPU a pass over whole vocabularies goes over blocks of rows of about this many float32 (4 MiB), so its
-temporaries stay in cache (normalizer at [64, 128256]: 3.5 ms by blocks against 13.6 ms for the batch at once)."""
+CPU_BLOCK_ELEMENTS = 1 << 19
+"""On the CPU a pass over whole vocabularies goes over blocks of rows of about this many float32 (2 MiB, a core's
+L2 here) in one buffer allocated per pass: the normalizer of [64, 128256] took 3-4 ms that way against 13.6 ms
+for the batch at once, and a fresh buffer per block cost as much again."""
 
 _DONE, _MORE, _RANKING = 0, 1, 2
 """Row status after a pass: finished; needs more candidates; needs the reference's full ranking (a tie)."""
@@ -99,7 +100,7 @@ class Sampler:
             SampleResult: token ids, and for rows that asked for logprobs the chosen token's logprob and the
             top-n (id, logprob) pairs, natural log, from log_softmax of the raw (unpenalized) logits.
         """
-        logits = logits.float()
+        logits = logits.float().contiguous()
         params = [s.params for s in seqs]
         penalized = apply_penalties(logits, seqs)
         token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
@@ -124,30 +125,37 @@ class Sampler:
 
 
 class _Logprobs:
-    """Log-probabilities of the raw logits for the rows that ask for them, on the device until fetched.
+    """Log-probabilities of the raw logits for the rows that ask for them, on the device until fetched:
+    log p = (x - max) - log(sum exp(x - max)), as log_softmax computes them, for the chosen token and the top-n
+    only (no [w, V] log_softmax is materialized).
 
     Args:
-        logits: float32 [B, V], unpenalized.
+        logits: float32 [B, V], unpenalized, contiguous.
         params: the B rows' settings; row i wants logprobs when params[i].logprobs is not None.
     Attributes:
-        top_values: float32 [w, n], top_ids: int64 [w, n]: the n = largest requested top-n best per wanting row
-            (empty when n is 0).
+        top_values: float32 [w, n], top_ids: int64 [w, n]: the n best per wanting row, n = the largest
+            requested top-n (empty when n is 0).
     """
 
     def __init__(self, logits: torch.Tensor, params: list[SamplingParams]):
         self.params = params
         self.rows = [row for row, p in enumerate(params) if p.logprobs is not None]
-        self.log_probs = torch.log_softmax(_rows(logits, self.rows), dim=-1) if self.rows else None
         self.top_n = max((params[row].logprobs for row in self.rows), default=0)
         self.top_values = self.top_ids = torch.empty(0, device=logits.device)
+        if not self.rows:
+            return
+        self.logits = _rows(logits, self.rows)
+        self.max = self.logits.amax(dim=-1, keepdim=True)
+        self.log_sum = _exp_sums(self.logits, self.max).log_().unsqueeze(1)
         if self.top_n:
-            self.top_values, self.top_ids = self.log_probs.topk(self.top_n, dim=-1)
+            values, self.top_ids = _top_candidates(self.logits, self.top_n)
+            self.top_values = (values - self.max) - self.log_sum
 
     def chosen(self, token_ids: torch.Tensor) -> torch.Tensor:
         """float32 [w, 1]: each wanting row's logprob of its token (token_ids: int64 [B] on the device)."""
-        if self.log_probs is None:
+        if not self.rows:
             return torch.empty(0, device=token_ids.device)
-        return self.log_probs.gather(1, _rows(token_ids, self.rows).unsqueeze(1))
+        return (self.logits.gather(1, _rows(token_ids, self.rows).unsqueeze(1)) - self.max) - self.log_sum
 
     def per_row(self, chosen: list[float], top_values: list[float], top_ids: list[float]) -> list:
         """SampleResult.logprobs from the fetched values: None, or (chosen, [(id, logprob)] of its top-n)."""
@@ -225,7 +233,7 @@ class _Draw:
     """
 
     def __init__(self, logits: torch.Tensor, seqs: list[Sequence]):
-        self.logits = logits.contiguous()
+        self.logits = logits
         self.device = logits.device
         self.vocab = vocab = logits.shape[1]
         params = [s.params for s in seqs]
@@ -321,7 +329,7 @@ class _Draw:
         whole = [j for j, i in enumerate(rows) if self.needs_mass[i]] if k < self.vocab else []
         if whole:
             top = _rows(scaled, whole)[:, :1]
-            mass = _normalizer(_rows(x, whole), _rows(temperature, whole), top)
+            mass = _exp_sums(_rows(x, whole), top, _rows(temperature, whole))
             _put(probs, whole, torch.exp(_rows(scaled, whole) - top) / mass.unsqueeze(1))
         # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays); min-p
         mass_before = probs.cumsum(dim=-1) - probs
@@ -362,8 +370,9 @@ class _Draw:
         x = _rows(self.logits, rows)
         temperature = _rows(self.settings, rows)[:, :1]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        for block in _blocks(x):
-            cdf = torch.softmax(x[block] / temperature[block], dim=-1).cumsum_(dim=-1)
+        for block, cdf in _blocks(x):
+            torch.div(x[block], temperature[block], out=cdf)
+            cdf.sub_(cdf.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
             u = torch.rand(cdf.shape[0], 1, device=self.device) * cdf[:, -1:]
             # u < cdf[-1] but for rounding, hence the clamp
             tokens[block] = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=self.vocab - 1)
@@ -374,7 +383,7 @@ def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """The k largest entries of each row, in descending order.
 
     Args:
-        x: float32 [m, V], contiguous; k <= V / 4.
+        x: float32 [m, V], contiguous; k <= V.
     Returns:
         (values float32 [m, k], token ids int64 [m, k]): the values are torch.topk's; among equal values the ids
         may come in another order.
@@ -400,25 +409,32 @@ def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values, candidates.gather(1, picked)
 
 
-def _normalizer(x: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Per row sum over the vocabulary of exp(x / T - top): the softmax denominator relative to the row's
-    largest scaled logit.
+def _exp_sums(x: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row sum over the vocabulary of exp(x / T - top) (exp(x - top) without a temperature): the softmax
+    denominator relative to `top`, the row's largest (scaled) logit.
 
     Args:
-        x: float32 [m, V]; temperature, top: float32 [m, 1].
+        x: float32 [m, V]; top, temperature: float32 [m, 1].
     Returns:
         float32 [m].
     """
     out = torch.empty(x.shape[0], device=x.device)
-    for block in _blocks(x):
-        out[block] = (x[block] / temperature[block]).sub_(top[block]).exp_().sum(dim=-1)
+    for block, scratch in _blocks(x):
+        if temperature is None:
+            torch.sub(x[block], top[block], out=scratch)
+        else:
+            torch.div(x[block], temperature[block], out=scratch).sub_(top[block])
+        torch.sum(scratch.exp_(), dim=-1, out=out[block])
     return out
 
 
-def _blocks(x: torch.Tensor) -> list[slice]:
-    """Row blocks for a pass over whole vocabularies: one on CUDA, about CPU_BLOCK_ELEMENTS each on the CPU."""
-    rows = x.shape[0] if x.device.type == "cuda" else max(1, CPU_BLOCK_ELEMENTS // x.shape[1])
-    return [slice(start, start + rows) for start in range(0, x.shape[0], rows)]
+def _blocks(x: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+    """Row blocks of x [m, V] for a pass over whole vocabularies, each with a float32 scratch [rows, V]: one
+    block on CUDA; on the CPU blocks of about CPU_BLOCK_ELEMENTS sharing one scratch buffer."""
+    rows, vocab = x.shape
+    size = rows if x.device.type == "cuda" else max(1, min(rows, CPU_BLOCK_ELEMENTS // vocab))
+    scratch = torch.empty(size, vocab, device=x.device)
+    return [(slice(start, start + size), scratch[:min(size, rows - start)]) for start in range(0, rows, size)]
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

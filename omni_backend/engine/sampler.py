@@ -242,15 +242,6 @@ class _Draw:
         self.needs_mass = [k == vocab and p.top_p < 1.0 for p, k in zip(params, top_k)]
         self.settings = _to_device([[p.temperature, k, p.top_p, p.min_p, p.seed is not None]
                                     for p, k in zip(params, top_k)], torch.float32, self.device)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
-        self.noise_row = {i: j for j, i in enumerate(seeded)}
-        self.seeded_noise = torch.empty(len(seeded), vocab, device=self.device)
-        for j, i in enumerate(seeded):
-            seq = seqs[i]
-            if seq.generator is None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-            self.seeded_noise[j].exponential_(generator=seq.generator)
-
         self.k = self._level(max([FIRST_CANDIDATES] + [k for k in top_k if k < vocab // 4]))
         truncated = [k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p, k in zip(params, top_k)]
         self.in_token_order = [i for i, p in enumerate(params) if not truncated[i] and p.seed is None]
@@ -259,6 +250,15 @@ class _Draw:
             if truncated[i] or p.seed is not None:
                 level = self.k if truncated[i] and (top_k[i] <= self.k or top_k[i] == vocab) else vocab
                 self.first_levels.setdefault(level, []).append(i)
+
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        self.noise_row = {i: j for j, i in enumerate(seeded)}
+        for i in seeded:
+            if seqs[i].generator is None:
+                seqs[i].generator = torch.Generator(device=self.device).manual_seed(seqs[i].params.seed)
+        first = {i: level for level, rows in self.first_levels.items() for i in rows}
+        self.seeded_noise = _SeededNoise([seqs[i].generator for i in seeded], [first[i] for i in seeded], vocab,
+                                         self.device)
 
     def _level(self, k: int) -> int:
         """Candidates for a pass: k, or the whole vocabulary (the full sort) once k reaches V / 4."""
@@ -353,7 +353,7 @@ class _Draw:
         """Exp(1) noise [m, k] by rank: a seeded row's first k of this step's V draws from its generator; fresh
         draws from the device's default generator for the others."""
         seeded = [(j, self.noise_row[i]) for j, i in enumerate(rows) if i in self.noise_row]
-        own = _rows(self.seeded_noise, [s for _, s in seeded])[:, :k] if seeded else None
+        own = self.seeded_noise.ranks([s for _, s in seeded], k) if seeded else None
         if len(seeded) == len(rows):
             return own
         noise = torch.empty(len(rows), k, device=self.device).exponential_()
@@ -377,6 +377,46 @@ class _Draw:
             # u < cdf[-1] but for rounding, hence the clamp
             tokens[block] = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=self.vocab - 1)
         return tokens
+
+
+class _SeededNoise:
+    """This step's Exp(1) draws of the seeded rows, by rank: row j's r-th value is the r-th of V exponentials
+    drawn from its generator, and every generator advances by V draws per step, as before #14 (on the CPU the
+    very same stream).
+
+    On the CPU only the ranks a pass uses are drawn: there `exponential_` is prefix-consistent (the first k of
+    V draws equal a k-long draw) and takes one 64-bit draw per value, as float64 `uniform_` does, so the
+    generator is moved past the other V - k values with `uniform_` (a third of the cost: 0.9 against 2.8 ms at
+    V = 128256), and a longer prefix, for a row redone with more candidates, is drawn again from the state saved
+    before. tests/engine/test_sampling.py pins both properties. On CUDA all V are drawn at once.
+
+    Args:
+        generators: one per seeded row, on `device`.
+        first: per seeded row, how many ranks its first pass uses (V: all).
+        vocab: V.
+    """
+
+    def __init__(self, generators: list[torch.Generator], first: list[int], vocab: int, device: torch.device):
+        self.states: list[torch.Tensor | None] = []
+        self.drawn: list[torch.Tensor] = []
+        skip = torch.empty(vocab, dtype=torch.float64) if device.type == "cpu" else None
+        for generator, k in zip(generators, first):
+            if skip is None or k == vocab:
+                self.states.append(None)
+                self.drawn.append(torch.empty(vocab, device=device).exponential_(generator=generator))
+            else:
+                self.states.append(generator.get_state())
+                self.drawn.append(torch.empty(k).exponential_(generator=generator))
+                skip[:vocab - k].uniform_(generator=generator)
+
+    def ranks(self, rows: list[int], k: int) -> torch.Tensor:
+        """float32 [len(rows), k]: the first k draws of the given seeded rows."""
+        for j in rows:
+            if self.drawn[j].numel() < k:
+                again = torch.Generator()
+                again.set_state(self.states[j])
+                self.drawn[j] = torch.empty(k).exponential_(generator=again)
+        return torch.stack([self.drawn[j][:k] for j in rows])
 
 
 def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

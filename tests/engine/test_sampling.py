@@ -492,3 +492,19 @@ def test_seeded_sampling_survives_preemption(tiny_qwen2_path):
     assert preemptions > 0
     assert tight == roomy
     assert len({tuple(t) for t in roomy}) == 6
+
+
+@pytest.mark.parametrize("vocab,first,longer", [(5, 2, 5), (100, 7, 64), (8192, 64, 1024), (128256, 1024, 16384)])
+def test_seeded_noise_on_the_cpu_is_the_old_stream(vocab, first, longer):
+    """The CPU shortcut of the seeded noise: drawing `first` exponentials and moving the generator past the
+    rest gives the first values of a V-long exponential_ and leaves the generator where V draws leave it; a
+    longer prefix drawn again from the saved state continues the same values."""
+    old = torch.Generator().manual_seed(99)
+    expected = torch.empty(vocab).exponential_(generator=old)
+    generator = torch.Generator().manual_seed(99)
+    noise = sampler_module._SeededNoise([generator], [first], vocab, torch.device("cpu"))
+    assert torch.equal(generator.get_state(), old.get_state())
+    assert torch.equal(noise.ranks([0], first)[0], expected[:first])
+    assert torch.equal(noise.ranks([0], longer)[0], expected[:longer])
+    assert torch.equal(torch.empty(8).exponential_(generator=generator),
+                       torch.empty(8).exponential_(generator=old))

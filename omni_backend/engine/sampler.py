@@ -13,40 +13,40 @@ Semantics (those of the sampler before issue #14, kept in tests/engine/sampler_r
 (temperature 0 or top_k 1) takes the argmax of its penalized logits. A sampled row ranks the vocabulary by
 descending scaled logit x / T, masks ranks >= top_k, softmaxes, drops every rank whose preceding mass reaches
 top_p (rank 0 always stays) and every rank with p < min_p * p_max, and takes the rank that wins the race
-argmax(p_r / E_r), E_r being the r-th exponential drawn for the row. A seeded row draws exactly V exponentials
-per step from its own generator, whatever it uses: on the CPU the first K of V draws equal a K-long draw, but
-the generator advances by the number drawn, so the seeded stream stays the old one only if V are drawn (about
-2.8 ms per seeded row at V = 128k on one CPU core; seeded traffic is rare).
+argmax(p_r / E_r), E_r being the r-th of V exponentials drawn from the row's generator: a seeded row's
+generator advances by V draws per step, so its stream is the old one (see _SeededNoise for how the CPU avoids
+drawing all V); unseeded rows use the device's default generator.
 
 How it avoids sorting the vocabulary (issue #14). Everything runs with torch ops on the logits' device; the
 host receives the token ids, the rows still to redo and the requested logprobs in one transfer, and more only
 when a row must be redone.
 - The kept ranks form a prefix of the ranking (the top-k, top-p and min-p drops are monotone in rank), so a
-  row is finished from its K best tokens (`torch.topk` values equal the first K of the sorted values) when
-  top_k <= K or when its rank K - 1 is dropped. K starts at max(64, the batch's largest top_k); the other rows
-  are redone with 16 times more candidates, then with the full sort once K would reach V / 4.
+  row is finished from its K best tokens when top_k <= K or when its rank K - 1 is dropped. The K best come
+  from an exact two-stage top-k (_top_candidates); their values are the first K of the sorted values. K starts
+  at max(64, the batch's largest top_k below V / 4); the other rows are redone with 16 times more candidates,
+  then with the reference's full sort once K would reach V / 4.
 - Probabilities on the prefix: the softmax of the masked prefix equals the first K entries of the softmax of
   the masked sorted row bit for bit (masked ranks add zeros), so rows with top_k <= K get the reference's
   probabilities. A top-p row without top-k also needs the normalizer Z = sum over all V of exp(x / T - max),
   one pass over the vocabulary; min-p and the race only compare probabilities within a row, so other rows need
   no Z.
 - Rows without any truncation: unseeded ones are drawn in token order by inverting the CDF of the full softmax
-  (no noise, no ranking needed); seeded ones need the ranking, i.e. the full sort, as before.
+  (no noise, no ranking); seeded ones need the ranking, i.e. the full sort, as before.
 - Unseeded rows draw noise only for their K candidates, in one call on the device's default generator.
 
-Exactness for seeded rows (same tokens as the reference on the CPU): the candidates' values, the masked softmax
-(when top_k <= K), the cumulative mass, the drops and the race use the same float32 operations on the same
-values in the same order as the reference, and the noise is the same stream by rank, so the chosen rank is the
-reference's. Two things can differ, both handled or bounded:
+Exactness for seeded rows (the reference's tokens on the CPU): the candidates' values, the masked softmax (when
+top_k <= K), the cumulative mass, the drops and the race are the same float32 operations on the same values
+in the same order as the reference's, and the noise is the same by rank, so the chosen rank is the
+reference's. Where that argument does not hold, the row is redone with the reference's own sort:
 - Ties. The reference's sort is not stable, so which of several tokens with an equal scaled logit sits at a
-  rank depends on its sort; when the chosen rank's value equals a neighbour's (or the chosen rank is the last
-  candidate, whose next value is unknown), a seeded row is redone with the reference's own sort call.
-- Top-p without top-k. The reference's Z is a float32 sum over the sorted row; ours is a float32 sum in token
-  order. They differ by about 1e-6 relatively, so a token can differ only when a cumulative mass lies within
-  that of top_p at the kept boundary (or two racers within a rounding error) and the affected rank is the one
-  drawn: never seen in the tests' thousands of rows. Rows redone with the full sort are bit for bit the
-  reference.
-Unseeded rows sample from the same distribution as the reference (not the same stream).
+  rank is its sort's business: redone when the chosen value equals a neighbour's (or is the last candidate).
+- Rows without top-k. Their probabilities are not the reference's bits: its Z is a float32 sum over the sorted
+  row, off by up to 1.3e-5 relatively on real SmolLM2 rows (ours, summed by blocks, 2e-6). Without a guard a
+  top-p row's kept count differed in 0.7 % of (row, top_p) pairs; so a row is redone when any decision is
+  within a margin of flipping: a mass before a rank within 1e-4 * top_p of top_p, a probability within 1e-6
+  of min_p * p_max, the race's two best within 1e-6 (about 1 % of seeded top-p rows on real logits).
+Rows redone with the full sort are the reference's computation. Unseeded rows sample from the same
+distribution as the reference (not the same stream).
 """
 
 from __future__ import annotations
@@ -335,19 +335,29 @@ class _Draw:
         mass_before = probs.cumsum(dim=-1) - probs
         drop = (mass_before >= top_p) | (probs < min_p * probs[:, :1])
         drop[:, 0] = False
-        choice = (probs.masked_fill(drop, 0.0) / self._noise(rows, k)).argmax(dim=-1, keepdim=True)
+        race = probs.masked_fill(drop, 0.0) / self._noise(rows, k)
+        choice = race.argmax(dim=-1, keepdim=True)
         tokens = ids.gather(1, choice).squeeze(1)
         if k == self.vocab:
             return tokens, torch.zeros_like(tokens)
         # done when the kept prefix ends inside the candidates (top-k within them, or rank k - 1 dropped)
         more = ~((top_k.squeeze(1) <= k) | drop[:, -1])
-        # a seeded row whose chosen value has an equal neighbour (or is the last candidate) needs the
-        # reference's order among equal values, i.e. its sort
+        # A seeded row is redone with the reference's sort when its token could differ from the reference's:
+        # - the chosen value has an equal neighbour (or is the last candidate): the order among equal values is
+        #   the reference's sort's;
+        # - without top-k the probabilities are ours, not the reference's bits (our normalizer or the prefix's;
+        #   the reference's float32 sum over the sorted row is off by up to 1.3e-5 relatively on real rows),
+        #   so a decision within that of flipping: a mass before a rank within 1e-4 * top_p of top_p, a
+        #   probability within 1e-6 of min_p * p_max, or the race's two best within 1e-6.
         value = scaled.gather(1, choice)
         tie = (((choice > 0) & (scaled.gather(1, (choice - 1).clamp(min=0)) == value))
-               | (scaled.gather(1, (choice + 1).clamp(max=k - 1)) == value))
-        tie = tie.squeeze(1) & (seeded.squeeze(1) > 0)
-        return tokens, torch.where(tie, _RANKING, more.long())
+               | (scaled.gather(1, (choice + 1).clamp(max=k - 1)) == value)).squeeze(1)
+        best, second = race.topk(2, dim=-1).values.unbind(dim=1)
+        close = (((mass_before - top_p).abs() <= 1e-4 * top_p).any(dim=-1)
+                 | ((min_p > 0) & ((probs - min_p * probs[:, :1]).abs() <= 1e-6 * probs)).any(dim=-1)
+                 | (second >= best * (1 - 1e-6)))
+        redo = (tie | (close & (top_k.squeeze(1) >= self.vocab))) & (seeded.squeeze(1) > 0)
+        return tokens, torch.where(redo, _RANKING, more.long())
 
     def _noise(self, rows: list[int], k: int) -> torch.Tensor:
         """Exp(1) noise [m, k] by rank: a seeded row's first k of this step's V draws from its generator; fresh

@@ -338,6 +338,23 @@ def test_seeded_rows_equal_the_reference_on_synthetic_logits(scale, passes):
     assert any(k == 8192 for _, k in passes)
 
 
+def test_seeded_top_p_on_the_references_own_cumulative_masses(smollm2_steps, passes):
+    """top_p set exactly to a mass the reference computes before rank 1, 2 or 3 (float32, over its sorted row),
+    where the reference drops that rank and our normalizer, rounded differently, might keep it: such rows are
+    redone with the full sort, and all 192 seeded rows give the reference's tokens."""
+    logits = smollm2_steps[0][0][:16]
+    probs = torch.softmax(logits.sort(dim=-1, descending=True).values, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    rows, params = [], []
+    for row in range(16):
+        for rank in (1, 2, 3):
+            for seed in range(4):
+                rows.append(row)
+                params.append(SamplingParams(top_p=mass_before[row, rank].item(), seed=seed))
+    assert _assert_same_as_reference([logits[rows]], *_twins(params, [[1]] * len(rows))) == len(rows)
+    assert any(k == logits.shape[1] for _, k in passes)
+
+
 def _truncated_distribution(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """float64 [V]: the probability of each token for a sampled row without penalties: softmax(x / T) over the
     top_k best, then the top-p prefix and the min-p floor, renormalized."""

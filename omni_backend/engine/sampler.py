@@ -71,10 +71,6 @@ CPU_BLOCK_ELEMENTS = 1 << 19
 L2 here) in one buffer allocated per pass: the normalizer of [64, 128256] took 3-4 ms that way against 13.6 ms
 for the batch at once, and a fresh buffer per block cost as much again."""
 
-_DONE, _MORE, _RANKING = 0, 1, 2
-"""Row status after a pass: finished; needs more candidates; needs the reference's full ranking (a tie)."""
-
-
 @dataclass
 class SampleResult:
     """Per-row outcome. token_ids [B] int64; logprobs: per row None or (chosen logprob, [(id, logprob)])."""
@@ -117,7 +113,7 @@ class Sampler:
 
         ids, status, chosen, top_values, top_ids = _to_host(token_ids, status, logprobs.chosen(token_ids),
                                                             logprobs.top_values, logprobs.top_ids)
-        if any(s != _DONE for s in status):
+        if any(status):
             rows, tokens = draw.finish(status)
             _put(token_ids, [sampled[i] for i in rows], tokens)
             ids, chosen = _to_host(token_ids, logprobs.chosen(token_ids))
@@ -268,8 +264,8 @@ class _Draw:
         """Draw every row once.
 
         Returns:
-            tokens: int64 [n], the token drawn per row (final where the status is done);
-            status: int64 [n], per row _DONE, _MORE (redo with more candidates) or _RANKING (redo with the
+            tokens: int64 [n], the token drawn per row (final where the status is 0);
+            status: int64 [n], per row 0 when done, else how many candidates its redo needs at least (V: the
                 full sort).
         """
         n = self.logits.shape[0]
@@ -291,27 +287,26 @@ class _Draw:
         Returns:
             (indices of the redone rows among the n, int64 [len] their tokens on the device).
         """
-        redone = [i for i, s in enumerate(status) if s != _DONE]
+        redone = [i for i, s in enumerate(status) if s]
         slot = {i: j for j, i in enumerate(redone)}
         tokens = torch.empty(len(redone), dtype=torch.int64, device=self.device)
-        more = [i for i in redone if status[i] == _MORE]
-        ranking = [i for i in redone if status[i] == _RANKING]
-        k = self.k
-        while more or ranking:
-            if ranking:
-                _put(tokens, [slot[i] for i in ranking], self._pass(ranking, self.vocab)[0])
-                ranking = []
-            if more:
-                k = self._level(k * GROWTH)
-                more_tokens, more_status = self._pass(more, k)
-                _put(tokens, [slot[i] for i in more], more_tokens)
-                more_status = _to_host(more_status)[0]
-                ranking = [i for i, s in zip(more, more_status) if s == _RANKING]
-                more = [i for i, s in zip(more, more_status) if s == _MORE]
+        pending: dict[int, list[int]] = {}
+        for i in redone:
+            pending.setdefault(self._level(int(status[i])), []).append(i)
+        while pending:
+            k, rows = pending.popitem()
+            level_tokens, level_status = self._pass(rows, k)
+            _put(tokens, [slot[i] for i in rows], level_tokens)
+            if k < self.vocab:
+                for i, s in zip(rows, _to_host(level_status)[0]):
+                    if s:
+                        pending.setdefault(self._level(int(s)), []).append(i)
         return redone, tokens
 
     def _pass(self, rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw the given rows from their k best candidates; k == V sorts like the reference.
+        """Draw the given rows from their k best candidates; k == V sorts like the reference. Seeded rows win the
+        exponential race on their own noise; unseeded ones invert the CDF of their kept probabilities (one
+        uniform per row, no noise per candidate).
 
         Returns:
             tokens int64 [m] and status int64 [m] for rows[0..m), as in first_pass (all done when k == V).
@@ -335,13 +330,26 @@ class _Draw:
         mass_before = probs.cumsum(dim=-1) - probs
         drop = (mass_before >= top_p) | (probs < min_p * probs[:, :1])
         drop[:, 0] = False
-        race = probs.masked_fill(drop, 0.0) / self._noise(rows, k)
+        kept = probs.masked_fill(drop, 0.0)
+        race = kept / self._noise(rows, k)
         choice = race.argmax(dim=-1, keepdim=True)
+        if any(i not in self.noise_row for i in rows):
+            cdf = kept.cumsum(dim=-1)
+            # u < cdf[-1]: torch.rand < 1, and rounding u = r * c to nearest stays below c
+            u = torch.rand(len(rows), 1, device=self.device) * cdf[:, -1:]
+            choice = torch.where(seeded > 0, choice, torch.searchsorted(cdf, u, right=True))
         tokens = ids.gather(1, choice).squeeze(1)
         if k == self.vocab:
             return tokens, torch.zeros_like(tokens)
-        # done when the kept prefix ends inside the candidates (top-k within them, or rank k - 1 dropped)
+        # done when the kept prefix ends inside the candidates (top-k within them, or rank k - 1 dropped);
+        # else redo with GROWTH times more, or, for a top-p row with the whole normalizer and no min-p, at least
+        # k + 1 + (top_p - mass of the k) / p_(k-1) (every later rank has p <= p_(k-1))
         more = ~((top_k.squeeze(1) <= k) | drop[:, -1])
+        grow = torch.full_like(mass_before[:, 0], k * GROWTH)
+        bounded = (top_k >= self.vocab) & (top_p < 1.0) & (min_p == 0)
+        need = k + 1 + (top_p - mass_before[:, -1:] - probs[:, -1:]) / probs[:, -1:]
+        grow = torch.where(bounded.squeeze(1), torch.maximum(grow, need.squeeze(1).ceil()), grow)
+        grow = grow.clamp(max=self.vocab).long()
         # A seeded row is redone with the reference's sort when its token could differ from the reference's:
         # - the chosen value has an equal neighbour (or is the last candidate): the order among equal values is
         #   the reference's sort's;
@@ -357,16 +365,16 @@ class _Draw:
                  | ((min_p > 0) & ((probs - min_p * probs[:, :1]).abs() <= 1e-6 * probs)).any(dim=-1)
                  | (second >= best * (1 - 1e-6)))
         redo = (tie | (close & (top_k.squeeze(1) >= self.vocab))) & (seeded.squeeze(1) > 0)
-        return tokens, torch.where(redo, _RANKING, more.long())
+        return tokens, torch.where(redo, self.vocab, torch.where(more, grow, 0))
 
     def _noise(self, rows: list[int], k: int) -> torch.Tensor:
-        """Exp(1) noise [m, k] by rank: a seeded row's first k of this step's V draws from its generator; fresh
-        draws from the device's default generator for the others."""
+        """Exp(1) noise [m, k] by rank for the race: a seeded row's first k of this step's V draws from its
+        generator; ones for unseeded rows (they draw by CDF)."""
         seeded = [(j, self.noise_row[i]) for j, i in enumerate(rows) if i in self.noise_row]
         own = self.seeded_noise.ranks([s for _, s in seeded], k) if seeded else None
         if len(seeded) == len(rows):
             return own
-        noise = torch.empty(len(rows), k, device=self.device).exponential_()
+        noise = torch.ones(len(rows), k, device=self.device)
         if seeded:
             _put(noise, [j for j, _ in seeded], own)
         return noise
@@ -383,9 +391,8 @@ class _Draw:
         for block, cdf in _blocks(x):
             torch.div(x[block], temperature[block], out=cdf)
             cdf.sub_(cdf.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
-            u = torch.rand(cdf.shape[0], 1, device=self.device) * cdf[:, -1:]
-            # u < cdf[-1] but for rounding, hence the clamp
-            tokens[block] = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=self.vocab - 1)
+            u = torch.rand(cdf.shape[0], 1, device=self.device) * cdf[:, -1:]  # < cdf[-1], as in _pass
+            tokens[block] = torch.searchsorted(cdf, u, right=True).squeeze(1)
         return tokens
 
 

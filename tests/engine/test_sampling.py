@@ -397,21 +397,30 @@ def test_unseeded_draws_follow_the_kept_probabilities(kwargs):
     assert (expected > 0).sum() > 1  # the test would not see a broken draw if only one token were kept
 
 
-def test_large_nucleus_is_redone_with_more_candidates_then_the_full_sort(passes):
-    """Nearly flat logits with top_p 0.99 keep most of the 8192 tokens: 64 candidates, then 1024, then the full
-    sort. Seeded rows give the reference's tokens; unseeded ones draw inside the kept set."""
+def test_large_nuclei_are_redone_with_more_candidates_or_the_full_sort(passes):
+    """Rows whose kept set goes past the first 64 candidates; seeded ones give the reference's tokens, unseeded
+    ones draw inside the kept set:
+    - 300 tokens far above 7892 others, top_p 0.9 (about 270 kept): redone with 1024 candidates;
+    - nearly flat logits, top_p 0.99: the 64 candidates' mass already shows that thousands are kept, so
+      straight to the full sort;
+    - nearly flat logits, min_p 0.5 (no such bound for min-p): 1024 candidates, then the full sort."""
     vocab = 8192
     gen = torch.Generator().manual_seed(3)
-    steps = [torch.randn(16, vocab, generator=gen) * 0.05 for _ in range(2)]
-    params = [SamplingParams(top_p=0.99, seed=i) for i in range(8)] + [SamplingParams(top_p=0.99)] * 8
-    ours, theirs = _twins(params, [[1]] * 16)
-    assert _assert_same_as_reference(steps, ours, theirs) == 16
-    assert passes == [(16, 64), (16, 1024), (16, vocab)] * 2
-    for step, logits in enumerate(steps):
+    moderate = torch.randn(16, vocab, generator=gen) * 0.05 - 5.0
+    for row in moderate:
+        row[torch.randperm(vocab, generator=gen)[:300]] += 10.0
+    flat = torch.randn(16, vocab, generator=gen) * 0.05
+    for logits, kwargs, levels in [(moderate, dict(top_p=0.9), {64, 1024}), (flat, dict(top_p=0.99), {64, vocab}),
+                                   (flat, dict(min_p=0.5), {64, 1024, vocab})]:
+        passes.clear()
+        params = [SamplingParams(seed=i, **kwargs) for i in range(8)] + [SamplingParams(**kwargs)] * 8
+        ours, theirs = _twins(params, [[1]] * 16)
+        assert _assert_same_as_reference([logits], ours, theirs) == 8
+        visited = {k for _, k in passes}
+        assert passes[0] == (16, 64) and levels <= visited <= levels | {vocab}, (kwargs, passes)
         for row in range(8, 16):
             kept = _truncated_distribution(logits[row], params[row]) > 0
-            assert 7000 < kept.sum() < vocab
-            assert kept[ours[row].output_token_ids[step]]
+            assert kept.sum() > 64 and kept[ours[row].output_token_ids[0]]
 
 
 def test_rows_without_truncation(passes):

@@ -451,6 +451,21 @@ def test_greedy_and_top_k_1_rows_take_the_argmax_of_the_penalized_logits():
     assert seqs[1].generator is None  # greedy rows draw no noise
 
 
+@pytest.mark.parametrize("vocab", [49152, 128256, 4096 + 96, 1001])
+def test_blocked_argmax_is_the_first_maximum(vocab):
+    """Greedy rows use sampler._argmax: equal to torch's argmax (the first maximal index) with ties inside and
+    across blocks, a row of equal values, and -inf entries; 1001 tokens take torch's argmax itself."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen)
+    x[0, [900, 17, 3000 % vocab]] = 9.0  # ties across blocks: 17 first
+    x[1, [130, 129]] = 9.0  # ties inside a block
+    x[2] = 1.5
+    x[3, : vocab // 2] = float("-inf")
+    expected = x.argmax(dim=-1)
+    assert expected[:3].tolist() == [17, 129, 0]
+    assert torch.equal(sampler_module._argmax(x), expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_seeded_generator_lives_on_the_logits_device_and_tokens_do_not_depend_on_the_batch(device):
     """A seeded request alone, or in a batch whose other rows change the candidate count (top_k 300), the full

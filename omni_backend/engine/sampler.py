@@ -239,7 +239,7 @@ class _Draw:
         self.needs_mass = [k == vocab and p.top_p < 1.0 for p, k in zip(params, top_k)]
         self.settings = _to_device([[p.temperature, k, p.top_p, p.min_p, p.seed is not None]
                                     for p, k in zip(params, top_k)], torch.float32, self.device)
-        self.k = self._level(max([FIRST_CANDIDATES] + [k for k in top_k if k < vocab // 4]))
+        self.k = self._capped(max([FIRST_CANDIDATES] + [k for k in top_k if k < vocab // 4]))
         truncated = [k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p, k in zip(params, top_k)]
         self.in_token_order = [i for i, p in enumerate(params) if not truncated[i] and p.seed is None]
         self.first_levels: dict[int, list[int]] = {}
@@ -257,9 +257,17 @@ class _Draw:
         self.seeded_noise = _SeededNoise([seqs[i].generator for i in seeded], [first[i] for i in seeded], vocab,
                                          self.device)
 
-    def _level(self, k: int) -> int:
+    def _capped(self, k: int) -> int:
         """Candidates for a pass: k, or the whole vocabulary (the full sort) once k reaches V / 4."""
         return k if k < self.vocab // 4 else self.vocab
+
+    def _level(self, count: int) -> int:
+        """Candidates for a redo that needs at least `count`: the smallest first-pass K times a power of GROWTH
+        that holds them (capped), so that redone rows share few passes."""
+        level = self.k
+        while level < count:
+            level *= GROWTH
+        return self._capped(level)
 
     def first_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw every row once.
@@ -332,13 +340,16 @@ class _Draw:
         drop = (mass_before >= top_p) | (probs < min_p * probs[:, :1])
         drop[:, 0] = False
         kept = probs.masked_fill(drop, 0.0)
-        race = kept / self._noise(rows, k)
-        choice = race.argmax(dim=-1, keepdim=True)
-        if any(i not in self.noise_row for i in rows):
+        with_seed = [j for j, i in enumerate(rows) if i in self.noise_row]
+        if len(with_seed) < len(rows):
             cdf = kept.cumsum(dim=-1)
             # u < cdf[-1]: torch.rand < 1, and rounding u = r * c to nearest stays below c
             u = torch.rand(len(rows), 1, device=self.device) * cdf[:, -1:]
-            choice = torch.where(seeded > 0, choice, torch.searchsorted(cdf, u, right=True))
+            choice = torch.searchsorted(cdf, u, right=True)
+        if with_seed:
+            race = kept / self._noise(rows, k)
+            won = race.argmax(dim=-1, keepdim=True)
+            choice = won if len(with_seed) == len(rows) else torch.where(seeded > 0, won, choice)
         tokens = ids.gather(1, choice).squeeze(1)
         if k == self.vocab:
             return tokens, torch.zeros_like(tokens)
@@ -350,7 +361,9 @@ class _Draw:
         bounded = (top_k >= self.vocab) & (top_p < 1.0) & (min_p == 0)
         need = k + 1 + (top_p - mass_before[:, -1:] - probs[:, -1:]) / probs[:, -1:]
         grow = torch.where(bounded.squeeze(1), torch.maximum(grow, need.squeeze(1).ceil()), grow)
-        grow = grow.clamp(max=self.vocab).long()
+        status = torch.where(more, grow.clamp(max=self.vocab).long(), 0)
+        if not with_seed:
+            return tokens, status
         # A seeded row is redone with the reference's sort when its token could differ from the reference's:
         # - the chosen value has an equal neighbour (or is the last candidate): the order among equal values is
         #   the reference's sort's;
@@ -366,7 +379,7 @@ class _Draw:
                  | ((min_p > 0) & ((probs - min_p * probs[:, :1]).abs() <= 1e-6 * probs)).any(dim=-1)
                  | (second >= best * (1 - 1e-6)))
         redo = (tie | (close & (top_k.squeeze(1) >= self.vocab))) & (seeded.squeeze(1) > 0)
-        return tokens, torch.where(redo, self.vocab, torch.where(more, grow, 0))
+        return tokens, torch.where(redo, self.vocab, status)
 
     def _noise(self, rows: list[int], k: int) -> torch.Tensor:
         """Exp(1) noise [m, k] by rank for the race: a seeded row's first k of this step's V draws from its

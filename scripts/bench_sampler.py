@@ -400,7 +400,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     vocabs = list(result["typical"])
-    fig, axes = plt.subplots(1, len(vocabs), figsize=(6 * len(vocabs), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(6 * len(vocabs), 4.4), sharey=True)
     for ax, vocab in zip(axes, vocabs):
         cases = result["typical"][vocab]
         names = list(cases)
@@ -412,8 +412,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(list(xs), names, rotation=45, ha="right")
         ax.set_title(f"{vocab} tokens ({result['sources'][vocab]}), batch {result['batch']}")
     axes[0].set_ylabel("ms per step (median)")
-    axes[0].legend()
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=3)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 

@@ -16,7 +16,8 @@ Logits (the nucleus size decides the cost, so they must be realistic):
   the head (nucleus) is real, the tail is larger as in a bigger vocabulary.
 - "synthetic" (a GPU machine without our checkpoint or transformers' model files, --source synthetic, and
   --quick): each row's logits follow a power law over ranks, x_r = -a ln(1 + r), in a random token order per
-  row; a is set per row by bisection so the row keeps exactly a target number of tokens at T 0.8 and top_p 0.9.
+  row; a is set per row (by bisection) in the middle of the interval in which the row keeps exactly a target
+  number of tokens at T 0.8 and top_p 0.9.
   The targets are the real sources' nucleus sizes at the 64 quantiles (i + 0.5) / 64 (REAL_NUCLEUS, measured
   by this script and recorded in its JSON under "nucleus_sizes"), one per row.
 - Worst case, reported apart: N(0, 1) logits. Nearly flat, so top-p and min-p keep thousands of tokens and the
@@ -38,7 +39,7 @@ load average and CPU pressure before and after) and, for a full CPU run, a plot 
 Usage:
   .venv/bin/python scripts/bench_sampler.py [--rounds 7] [--note "machine shared with ..."]
   python3 scripts/bench_sampler.py --device cuda --output $OUT/sampler.json
-  .venv/bin/python scripts/bench_sampler.py --quick     (batch 8, 2 rounds, synthetic logits: a smoke run)
+  .venv/bin/python scripts/bench_sampler.py --quick     (batch 8, 1 round, synthetic logits: a smoke run)
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="stop the rounds once this many seconds have passed, after at least 3 (default: "
                              "25 on CUDA, none on the CPU)")
-    parser.add_argument("--quick", action="store_true", help="batch 8, 2 rounds, synthetic logits")
+    parser.add_argument("--quick", action="store_true", help="batch 8, 1 round, synthetic logits (a smoke run)")
     parser.add_argument("--output", default=None, help="JSON path")
     parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. that the machine was shared)")
     args = parser.parse_args()
@@ -139,7 +140,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_sampler.py: --device cuda but torch sees no CUDA device")
     if args.quick:
-        args.batch, args.rounds, args.source = 8, 2, "synthetic"
+        args.batch, args.rounds, args.source = 8, 1, "synthetic"
     time_limit = args.time_limit_s if args.time_limit_s is not None else (25.0 if device.type == "cuda" else None)
     output = args.output
     if output is None and not args.quick:
@@ -287,22 +288,28 @@ def nucleus_summary(logits: torch.Tensor) -> dict:
 
 def synthetic_logits(vocab: int, batch: int, gen: torch.Generator, device: torch.device) -> list[torch.Tensor]:
     """STEPS [batch, vocab] tensors on `device` whose rows keep REAL_NUCLEUS tokens at T 0.8 and top_p 0.9:
-    x_r = -a ln(1 + r) over ranks r, a by bisection per row (a larger a keeps fewer tokens), in a random token
-    order per row; step s gives row i the target of quantile (i * 64 // batch + 16 s) mod 64."""
+    x_r = -a ln(1 + r) over ranks r, in a random token order per row. A larger a keeps fewer tokens; a row that
+    must keep t gets the middle of the interval of a that keeps exactly t (its ends by bisection), so its
+    cumulative masses are not pinned to top_p. Step s gives row i the target of quantile
+    (i * 64 // batch + 16 s) mod 64."""
     ranks = torch.arange(vocab, device=device, dtype=torch.float32).log1p()
+    counts = sorted(set(REAL_NUCLEUS) | {t - 1 for t in REAL_NUCLEUS if t > 1} | {2})
+    low = torch.zeros(len(counts), 1, device=device)
+    high = torch.full((len(counts), 1), 64.0, device=device)
+    limit = torch.tensor(counts, device=device)
+    for _ in range(24):  # high: the smallest a keeping at most `count` tokens
+        mid = (low + high) / 2
+        too_many = (nucleus_sizes(-mid * ranks, ranked=True) > limit).unsqueeze(1)
+        low, high = torch.where(too_many, mid, low), torch.where(too_many, high, mid)
+    edge = dict(zip(counts, high.squeeze(1).tolist()))
+    middle = {t: (edge[t] + edge[t - 1]) / 2 if t > 1 else edge[1] + (edge[1] - edge[2]) / 2
+              for t in set(REAL_NUCLEUS)}
     out = []
     for step in range(STEPS):
-        targets = torch.tensor([REAL_NUCLEUS[(i * 64 // batch + 16 * step) % 64] for i in range(batch)],
-                               device=device)
-        low = torch.zeros(batch, 1, device=device)
-        high = torch.full((batch, 1), 64.0, device=device)
-        for _ in range(40):
-            mid = (low + high) / 2
-            too_many = (nucleus_sizes(-mid * ranks, ranked=True) > targets).unsqueeze(1)
-            low, high = torch.where(too_many, mid, low), torch.where(too_many, high, mid)
-        profile = -high * ranks
+        a = torch.tensor([[middle[REAL_NUCLEUS[(i * 64 // batch + 16 * step) % 64]]] for i in range(batch)],
+                         device=device)
         order = torch.argsort(torch.rand(batch, vocab, generator=gen), dim=-1).to(device)
-        out.append(torch.empty_like(profile).scatter_(1, order, profile))
+        out.append(torch.empty(batch, vocab, device=device).scatter_(1, order, -a * ranks))
     return out
 
 

@@ -348,7 +348,7 @@ class _Draw:
             choice = torch.searchsorted(cdf, u, right=True)
         if with_seed:
             race = kept / self._noise(rows, k)
-            won = race.argmax(dim=-1, keepdim=True)
+            won = _argmax(race).unsqueeze(1)
             choice = won if len(with_seed) == len(rows) else torch.where(seeded > 0, won, choice)
         tokens = ids.gather(1, choice).squeeze(1)
         if k == self.vocab:

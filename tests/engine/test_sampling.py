@@ -1,4 +1,5 @@
-"""Sampling settings, seeds, penalties, stop strings, logprobs and UTF-8-safe streaming."""
+"""Sampling settings, seeds, penalties, stop strings, logprobs and UTF-8-safe streaming; the sampler on the
+logits' device against the pre-#14 CPU sampler kept in tests/engine/sampler_reference.py (same seeded tokens)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ when a row must be redone.
   no Z.
 - Rows without any truncation: unseeded ones are drawn in token order by inverting the CDF of the full softmax
   (no noise, no ranking); seeded ones need the ranking, i.e. the full sort, as before.
-- Unseeded rows invert the CDF of their kept probabilities with one uniform each: no noise per token.
+- Unseeded rows in a ranked pass invert the CDF of their kept probabilities with one uniform each: no noise
+  per candidate.
 
 Exactness for seeded rows (the reference's tokens on the CPU): the candidates' values, the masked softmax (when
 top_k <= K), the cumulative mass, the drops and the race are the same float32 operations on the same values
@@ -71,6 +72,7 @@ CPU_BLOCK_ELEMENTS = 1 << 19
 """On the CPU a pass over whole vocabularies goes over blocks of rows of about this many float32 (2 MiB, a core's
 L2 here) in one buffer allocated per pass: the normalizer of [64, 128256] took 3-4 ms that way against 13.6 ms
 for the batch at once, and a fresh buffer per block cost as much again."""
+
 
 @dataclass
 class SampleResult:

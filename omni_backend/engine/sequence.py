@@ -52,7 +52,9 @@ class Sequence:
     Attributes:
         block_table: KV-cache block ids, host copy (the device copy is a row of the block-table pool).
         pool_row: row in the block-table pool while running, else None.
-        generator: per-request RNG when a seed is given (same seed + prompt -> same tokens).
+        generator: the request's RNG when it has a seed (same seed + prompt -> same tokens): None until the
+            sampler first samples for it, then `torch.Generator(device=<logits' device>).manual_seed(seed)`;
+            kept through preemption, so the stream goes on where it stopped.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
@@ -76,8 +78,6 @@ class Sequence:
         self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted to a step
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -121,10 +121,11 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     cpu_kernel_buildable = shutil.which(os.environ.get("CXX", "g++")) is not None
     backend = "cpu" if cpu_kernel_buildable else "torch"
     assert value(after, "omni_attention_backend", backend=backend, device="cpu") == 1
-    # the versions it runs with (no CUDA here: empty CUDA labels) and no fallback from the first choice
+    # the versions it runs with and no fallback from the first choice: torch's CUDA is empty (a CPU build), the
+    # driver's CUDA is what the fake GPU's NVML reports (FakeNvml's default, 13000: CUDA 13.0)
     import torch
     import triton
-    info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="",
+    info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="13.0",
                 attention_backend=backend)
     if cpu_kernel_buildable:
         info["fallback_reason"] = ""

@@ -9,8 +9,9 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
-from omni_backend.ops.governor import NotAdmitting
-from omni_backend.stages.llm import QueueFull, create_service
+from omni_backend.stages.llm import create_service
+from omni_backend.stages.tensors import triton_error
+from omni_backend.vocabulary import StageError
 
 
 class _Sink:
@@ -38,10 +39,8 @@ class _Sink:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
-    def fail(self, message, code=None):
-        # pb_utils gets TritonError etc. from the stub only after this module is imported: no default argument
-        code = pb_utils.TritonError.INVALID_ARG if code is None else code
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+    def fail(self, error):
+        self.sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "llm")),
                          flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def close(self):
@@ -89,12 +88,8 @@ class TritonPythonModel:
                 request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
                 embeds = _prompt_embeds(request, self.hidden_size)
                 self.service.submit(request_id, ids, params, sink, prompt_embeds=embeds)
-            except (ValueError, UnicodeDecodeError) as exc:
-                sink.fail(str(exc))
-            except (NotAdmitting, QueueFull) as exc:  # GPU too hot, or overloaded: refused now, retry later
-                sink.fail(str(exc), pb_utils.TritonError.UNAVAILABLE)
-            except Exception as exc:  # never take the stub down for one request
-                sink.fail(f"llm failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            except Exception as exc:  # bad input, refused (too hot, queue full), or a fault: this request only
+                sink.fail(StageError.of(exc, "llm"))
         return None
 
     def finalize(self):

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from omni_backend import paths, repository
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.tritonserver import TritonServer
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
 RESULTS = paths.PROJECT_ROOT / "benchmarks" / "results"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from omni_backend import paths, repository
 from omni_backend.stages.tts_audio import PCM_RATE
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.tritonserver import TritonServer
 
 RESULTS = paths.PROJECT_ROOT / "benchmarks" / "results"
 PARAGRAPH = ("The weather is nice and warm today, so we are going to the park after school. "

@@ -36,8 +36,8 @@ import aiohttp
 from omni_backend import paths
 from omni_backend.ops.metrics import parse_metrics
 from omni_backend.serving.config import ServingConfig
-from omni_backend.serving.process import FrontDoorProcess
-from omni_backend.triton_server import TritonServer, TritonServerError
+from omni_backend.launch.front_door import FrontDoorProcess
+from omni_backend.launch.tritonserver import TritonServer, TritonServerError
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "omni_chat"

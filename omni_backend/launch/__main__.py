@@ -1,4 +1,4 @@
-"""`python -m omni_backend.serve`: run tritonserver on the rendered model repository, and the OpenAI-compatible
+"""`python -m omni_backend.launch`: run tritonserver on the rendered model repository, and the OpenAI-compatible
 front door beside it, until Ctrl-C/SIGTERM.
 
 Started by `scripts/serve.sh` after setup. Ports come from flags, else `OMNI_HTTP_PORT`, `OMNI_GRPC_PORT`,
@@ -16,8 +16,8 @@ import threading
 
 from omni_backend import paths
 from omni_backend.serving.config import ServingConfig
-from omni_backend.serving.process import FrontDoorProcess
-from omni_backend.triton_server import TritonServer, TritonServerError
+from omni_backend.launch.front_door import FrontDoorProcess
+from omni_backend.launch.tritonserver import TritonServer, TritonServerError
 
 USAGE = """\
 omni_chat is ready. Try:

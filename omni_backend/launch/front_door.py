@@ -1,4 +1,4 @@
-"""Run the front door as a child process (used by `omni_backend.serve`, i.e. `scripts/serve.sh`)."""
+"""Run the front door as a child process (used by `python -m omni_backend.launch`, i.e. `scripts/serve.sh`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Start, wait for and stop a real tritonserver process (the binary laid out by `omni_backend.setup`).
 
-Used by `scripts/serve.sh` (through `omni_backend.serve`) and by the pytest fixture in `tests/conftest.py`.
+Used by `scripts/serve.sh` (through `python -m omni_backend.launch`) and by the pytest fixture in
+`tests/conftest.py`.
 """
 
 from __future__ import annotations

@@ -51,6 +51,28 @@ class RequestField:
         return RANGES.get(self.param)
 
     @property
+    def allowed(self) -> Range | None:
+        """The values a client may send: `range` within what the tensor's datatype holds (max_tokens: [1, 2**31 - 1]);
+        None for booleans and strings."""
+        own, holds = self.range, DATATYPE_RANGES.get(self.datatype)
+        if own is None or holds is None:
+            return own
+        lows = [(low, open_) for low, open_ in ((own.low, own.low_open), (holds.low, holds.low_open)) if low is not None]
+        low, low_open = max(lows, key=lambda item: (item[0], item[1])) if lows else (None, False)
+        highs = [high for high in (own.high, holds.high) if high is not None]
+        return Range(low, min(highs) if highs else None, low_open, own.integer)
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` (a JSON scalar) for this field, or None (`tensor_value_problem` for
+        booleans and strings)."""
+        allowed = self.allowed
+        if allowed is None:
+            return tensor_value_problem(self.datatype, value)
+        if allowed.contains(value):
+            return None
+        return f"must be {'an integer' if allowed.integer else 'a finite number'} in {allowed.describe()}, got {_shown(value)}"
+
+    @property
     def default(self):
         """The value an absent field means (`max_tokens`: None, the rest of the context, filled by preprocess)."""
         if self.param == "max_tokens":
@@ -73,6 +95,7 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField("frequency_penalty", "frequency_penalty", "FP32", ("frequency_penalty",)),
     RequestField("ignore_eos", "ignore_eos", "BOOL", ("ignore_eos",)),
     RequestField("logprobs", "logprobs", "INT32", ("logprobs", "top_logprobs")),
+    RequestField("prompt_logprobs", "prompt_logprobs", "INT32", ("prompt_logprobs",)),
 )
 BY_PARAM = {f.param: f for f in SAMPLING_FIELDS}
 BY_TENSOR = {f.tensor: f for f in SAMPLING_FIELDS}

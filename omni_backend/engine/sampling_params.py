@@ -56,6 +56,7 @@ RANGES: dict[str, Range] = {
     "presence_penalty": Range(-2.0, 2.0),
     "frequency_penalty": Range(-2.0, 2.0),
     "logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
 }
 """SamplingParams attribute -> allowed values, for every numeric attribute (an optional one may also be None)."""
 
@@ -91,6 +92,8 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation (the token itself is not returned).
         ignore_eos: keep generating past the EOS token.
         logprobs: None for none, else the number of top alternatives returned per token.
+        prompt_logprobs: None for none, else logprobs of the prompt's own tokens are returned too, with this
+            many top alternatives each (the first prompt token has none).
         stream: send deltas as they are produced instead of one final response.
     """
 
@@ -107,6 +110,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stream: bool = False
 
     def __post_init__(self) -> None:
@@ -125,7 +129,7 @@ class SamplingParams:
         """
         for name, allowed in RANGES.items():
             value = getattr(self, name)
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
                 continue
             if not allowed.contains(value):
                 kind = "an integer" if allowed.integer else "a finite number"

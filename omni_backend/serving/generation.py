@@ -40,7 +40,8 @@ class GenerationRequest:
         include_usage: a streamed answer ends with a usage chunk.
         echo: the completion text starts with the prompt.
         generate: False when the client asked for no tokens (completions' max_tokens 0): the prompt is still
-            checked and counted.
+            checked and counted, and the llm stage runs only when the prompt's logprobs are asked (its one token
+            is dropped).
         prompt_logprobs: the prompt's tokens get logprobs too (completions' echo with logprobs).
     """
 
@@ -72,24 +73,34 @@ class GenerationRequest:
 
 
 class Choice:
-    """One choice being generated: its index, prompt and Triton stream."""
+    """One choice being generated: its index, prompt and Triton stream.
 
-    def __init__(self, index: int, prepared: Prepared, steps: AsyncIterator[Step] | None):
-        self.index, self.prepared, self.steps = index, prepared, steps
+    Args:
+        steps: the llm stream's steps; None when nothing runs (the prompt was checked by preprocess).
+        prompt_only: the client asked for no tokens: each step keeps only its prompt logprobs and counts.
+    """
+
+    def __init__(self, index: int, prepared: Prepared, steps: AsyncIterator[Step] | None, prompt_only: bool):
+        self.index, self.prepared, self.steps, self.prompt_only = index, prepared, steps, prompt_only
         self.first: Step | None = None
 
     async def start(self) -> None:
         """Wait for the first response (so that errors before any text still get their own HTTP status)."""
-        if self.steps is None:  # nothing to generate: the prompt was checked by preprocess
+        if self.steps is None:
             self.first = Step("", "length", self.prepared.prompt_tokens, 0, None)
         else:
-            self.first = await self.steps.__anext__()
+            self.first = self._shown(await self.steps.__anext__())
 
     async def all_steps(self) -> AsyncIterator[Step]:
         yield self.first
         if self.steps is not None and not self.first.finish_reason:
             async for step in self.steps:
-                yield step
+                yield self._shown(step)
+
+    def _shown(self, step: Step) -> Step:
+        if not self.prompt_only:
+            return step
+        return Step("", "length" if step.finish_reason else None, step.prompt_tokens, 0, None, step.prompt_logprobs)
 
     async def close(self) -> None:
         if self.steps is not None:
@@ -117,10 +128,11 @@ class Generation:
         for item in prepared:
             if isinstance(item, BaseException):
                 raise item
+        runs_llm = request.generate or request.prompt_logprobs
         for index, prep in enumerate(prepared):
             steps = (self.pipeline.generate(prep, request.prompt_field, f"{self.request_id}-{index}")
-                     if request.generate else None)
-            self.choices.append(Choice(index, prep, steps))
+                     if runs_llm else None)
+            self.choices.append(Choice(index, prep, steps, prompt_only=not request.generate))
         results = await asyncio.gather(*(c.start() for c in self.choices), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:

@@ -435,18 +435,24 @@ class TritonPipeline(TritonGrpcUser):
 
     @staticmethod
     def _step(outputs: dict) -> Step:
-        logprobs_json = _scalar(outputs.get("output_logprobs"), "")
-        try:
-            logprobs = json.loads(logprobs_json) if logprobs_json else None
-        except json.JSONDecodeError as exc:
-            raise internal(f"output_logprobs is not valid JSON: {exc.msg}") from None
         return Step(
             text=_scalar(outputs.get("text_output"), ""),
             finish_reason=_scalar(outputs.get("finish_reason"), "") or None,
             prompt_tokens=int(_scalar(outputs.get("prompt_tokens"), 0)),
             completion_tokens=int(_scalar(outputs.get("completion_tokens"), 0)),
-            logprobs=logprobs,
+            logprobs=_json_list(outputs, "output_logprobs"),
+            prompt_logprobs=_json_list(outputs, "prompt_token_logprobs"),
         )
 
 
-__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonGrpcUser", "TritonPipeline", "infer_to_completion"]
+def _json_list(outputs: dict, name: str) -> list[dict] | None:
+    """The postprocess stage's logprob entries in output `name`, None when absent or "" (not asked for).
+
+    Raises:
+        OpenAIError: 500 for output that is not valid JSON.
+    """
+    text = _scalar(outputs.get(name), "")
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError as exc:
+        raise internal(f"{name} is not valid JSON: {exc.msg}") from None

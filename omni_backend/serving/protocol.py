@@ -31,15 +31,14 @@ MEDIA_PARTS = ("image_url", "input_audio")  # content parts sent on to preproces
 
 
 def setting(param: str, default=None):
-    """A pydantic Field for the sampling setting `param`: SamplingParams' range, narrowed to its tensor's type."""
-    field = BY_PARAM[param]
-    allowed, holds = field.range, DATATYPE_RANGES.get(field.datatype)
+    """A pydantic Field for the sampling setting `param`, bounded by the vocabulary's `allowed` range
+    (SamplingParams' range within what its tensor's type holds)."""
+    allowed = BY_PARAM[param].allowed
     bounds: dict[str, float] = {}
     if allowed.low is not None:
         bounds["gt" if allowed.low_open else "ge"] = allowed.low
-    highs = [h for h in (allowed.high, holds.high if holds else None) if h is not None]
-    if highs:
-        bounds["le"] = min(highs)
+    if allowed.high is not None:
+        bounds["le"] = allowed.high
     return Field(default, **bounds)
 
 
@@ -216,17 +215,22 @@ class CompletionRequest(_Request):
             raise invalid("best_of must equal n (this server returns every sequence it generates)", "best_of")
 
     def generation(self) -> GenerationRequest:
-        """The pipeline request: one Prompt per prompt; `max_tokens` 0 generates nothing (the prompt is still
-        checked, and echoed with `echo`); with `echo` and `logprobs` the prompt's tokens get logprobs too."""
+        """The pipeline request: one Prompt per prompt. With `echo` and `logprobs` the prompt's tokens get logprobs
+        too (`prompt_logprobs`, as vLLM names it). `max_tokens` 0 generates nothing: the prompt is still checked
+        and echoed, and when its logprobs are asked the llm stage runs its prefill for one token that is dropped
+        (the logprobs come from the prefill)."""
         settings = self.settings()
-        if self.max_tokens:
-            settings["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             settings["logprobs"] = self.logprobs
+        prompt_logprobs = self.echo and self.logprobs is not None
+        if prompt_logprobs:
+            settings["prompt_logprobs"] = self.logprobs
+        if self.max_tokens or prompt_logprobs:
+            settings["max_tokens"] = self.max_tokens or 1
         return GenerationRequest(
             kind="completion", model=self.model, prompt_field="prompt", prompts=self.prompts(), settings=settings,
             n=self.n, include_usage=self.include_usage, echo=self.echo, generate=self.max_tokens > 0,
-            prompt_logprobs=self.echo and self.logprobs is not None)
+            prompt_logprobs=prompt_logprobs)
 
     def prompts(self) -> list[Prompt]:
         """Each prompt as text or token ids.

@@ -22,10 +22,8 @@ class _Sink:
         self.passthrough = passthrough  # the optional `passthrough` input, echoed in every response
 
     def send(self, output):
-        logprobs = ""
-        if output.logprobs:
-            logprobs = json.dumps([{"id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
-                                   for lp in output.logprobs])
+        logprobs = _logprobs_json(output.logprobs)
+        prompt_logprobs = _logprobs_json(output.prompt_logprobs)
         tensors = [
             pb_utils.Tensor("text_output", np.array([output.text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.array(output.token_ids, dtype=np.int32)),
@@ -33,6 +31,7 @@ class _Sink:
             pb_utils.Tensor("prompt_tokens", np.array([output.prompt_tokens], dtype=np.int32)),
             pb_utils.Tensor("completion_tokens", np.array([output.completion_tokens], dtype=np.int32)),
             pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
+            pb_utils.Tensor("prompt_token_logprobs", np.array([prompt_logprobs.encode()], dtype=np.object_)),
         ]
         if self.passthrough is not None:
             tensors.append(pb_utils.Tensor("passthrough", self.passthrough))
@@ -48,6 +47,13 @@ class _Sink:
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
+
+
+def _logprobs_json(entries):
+    """Token logprobs as the postprocess stage takes them ("" for none)."""
+    if not entries:
+        return ""
+    return json.dumps([{"id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in entries])
 
 
 def _prompt_embeds(request, hidden_size):

@@ -147,8 +147,8 @@ async def _check_generate_body(door: FrontDoor, model: str, body: bytes) -> None
     """Check a `/generate` body's inputs against the model's input types (see the module docstring).
 
     Raises:
-        OpenAIError: 400 naming the first input whose value its type (or its setting's range) does not take, or
-            for a body that is not a JSON object; 503 when Triton cannot be asked for the model's config.
+        OpenAIError: 400 naming the first required input missing or the first input whose value its type (or
+            its setting's range) does not take, or for a body that is not a JSON object.
     """
     values = parse_json_object(body)
     config = await _model_config(door, model)
@@ -157,16 +157,13 @@ async def _check_generate_body(door: FrontDoor, model: str, body: bytes) -> None
     for spec in config.get("input", []):
         name = spec["name"]
         if name not in values:
+            if not spec.get("optional"):  # 2.51 checks only the count of an ensemble's inputs
+                raise errors.invalid(f"{name} is required (an input of model '{model}')", name)
             continue
         datatype = spec["data_type"].removeprefix("TYPE_").replace("STRING", "BYTES")
+        setting = BY_TENSOR.get(name)
         for value in _elements(values[name]):
-            problem = tensor_value_problem(datatype, value)
-            setting = BY_TENSOR.get(name)
-            if problem is None and setting is not None and setting.range is not None:
-                allowed = setting.range
-                if not allowed.contains(value):
-                    problem = f"must be {'an integer' if allowed.integer else 'a number'} in " \
-                              f"{allowed.describe()}, got {value!r}"
+            problem = setting.problem(value) if setting is not None else tensor_value_problem(datatype, value)
             if problem is not None:
                 raise errors.invalid(f"{name} {problem}", name)
 

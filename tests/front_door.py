@@ -7,8 +7,8 @@ import threading
 import time
 
 import uvicorn
-from chat_client import free_ports
 
+from omni_backend.launch.ports import free_ports
 from omni_backend.serving import ServingConfig, create_app
 
 MODEL = "omni_chat"

@@ -4,9 +4,9 @@ import os
 import subprocess
 
 import pytest
-from chat_client import free_ports
 
 from omni_backend.setup import runtime
+from omni_backend.launch.ports import free_ports
 from omni_backend.launch.tritonserver import TritonServer, TritonServerError
 
 

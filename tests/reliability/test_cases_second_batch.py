@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import requests
 from front_door import MODEL
-from frontdoor_http import get, post, sse
+from frontdoor_http import post, sse
 from media_inputs import assert_ok, audio_bytes, chat, image_bytes
 
 from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER

@@ -29,6 +29,14 @@ from omni_backend.setup import runtime as runtime_layout
 
 ADMIN_KEY_HEADER = "omni-admin-key"
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # the gRPC metadata key 2.51 checks
+
+
+def restricted_api_flags(admin_key: str) -> list[str]:
+    """tritonserver flags that close RESTRICTED_APIS over HTTP and gRPC to all but holders of `admin_key`
+    (Triton's `--http-restricted-api=<apis>:<header>=<value>`; docker/entrypoint.sh uses them too)."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={admin_key}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={admin_key}"]
 RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
 
 # Triton log lines: severity letter + MMDD, e.g. "E1130 12:20:40.581361 4748 model_lifecycle.cc:642] ...".
@@ -127,8 +135,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
-            f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}",
-            f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}",
+            *restricted_api_flags(self.admin_key),
             *self.extra_args,
         ]
 

@@ -3,7 +3,7 @@ the SmolLM2 hidden size (576), from real transformers configs, with a fixed seed
 
 Their image/audio understanding is NOT meaningful: the weights are random. They exercise the whole serving path
 (decode, encode, batch, splice into the prompt). Point OMNI_VISION_MODEL_PATH / OMNI_AUDIO_MODEL_PATH at real
-checkpoints folders in the same layout to serve a real model (README, "Image and audio input").
+checkpoints folders in the same layout to serve a real model (docs/api.md, "Image and audio input").
 """
 
 from __future__ import annotations

@@ -145,7 +145,8 @@ class ChatCompletionRequest(_Request):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
         if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
-            raise invalid("audio output needs \"modalities\": [\"text\", \"audio\"] and \"audio\"", "modalities")
+            raise invalid("modalities: [\"text\"], or [\"text\", \"audio\"] with \"audio\" for audio output",
+                          "modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
 

@@ -36,7 +36,7 @@ from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.ops.hardware import select_dtype
 from omni_backend.ops.memory_env import memory_environment, reexec_with_memory_environment
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.tritonserver import TritonServer
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
 RESULTS = paths.PROJECT_ROOT / "benchmarks" / "results"

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from omni_backend import paths, repository
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.tritonserver import TritonServer
+from omni_backend.launch.ports import free_ports
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
 RESULTS = paths.PROJECT_ROOT / "benchmarks" / "results"
@@ -98,16 +98,6 @@ def run_level(send_one, prompts: list, concurrency: int) -> dict:
     for thread in threads:
         thread.join()
     return summarize(records, time.perf_counter() - start, concurrency, errors)
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 # --- (a) omni_chat through tritonserver --------------------------------------------------------------------------

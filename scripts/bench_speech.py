@@ -22,7 +22,6 @@ import base64
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import threading
@@ -33,7 +32,8 @@ from pathlib import Path
 
 from omni_backend import paths, repository
 from omni_backend.stages.tts_audio import PCM_RATE
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.tritonserver import TritonServer
+from omni_backend.launch.ports import free_ports
 
 RESULTS = paths.PROJECT_ROOT / "benchmarks" / "results"
 PARAGRAPH = ("The weather is nice and warm today, so we are going to the park after school. "
@@ -42,16 +42,6 @@ PARAGRAPH = ("The weather is nice and warm today, so we are going to the park af
 CHAT_PROMPTS = ["Tell me a short story about a cat.", "Describe a day at the beach.",
                 "Tell me about your favourite food.", "Describe a walk in the forest."]
 TARGETS = {"first_audio_s": 1.0, "rtf": 0.1}
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def post(url: str, body: dict) -> urllib.request.Request:

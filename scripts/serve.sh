@@ -10,4 +10,4 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1
 # exec: signals reach the Python launcher, which stops everything it started.
-exec "$ROOT/.venv/bin/python" -m omni_backend.serve "$@"
+exec "$ROOT/.venv/bin/python" -m omni_backend.launch "$@"

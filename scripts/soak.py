@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import sys
 import time
 import urllib.request
@@ -36,8 +35,9 @@ import aiohttp
 from omni_backend import paths
 from omni_backend.ops.metrics import parse_metrics
 from omni_backend.serving.config import ServingConfig
-from omni_backend.serving.process import FrontDoorProcess
-from omni_backend.triton_server import TritonServer, TritonServerError
+from omni_backend.launch.front_door import FrontDoorProcess
+from omni_backend.launch.tritonserver import TritonServer, TritonServerError
+from omni_backend.launch.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "omni_chat"
@@ -236,17 +236,6 @@ def wait_kv_free(metrics_url: str, timeout_s: float = 15.0) -> float | None:
 
 # ---------------------------------------------------------------------------------------------------------
 # The run
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def growth_report(start: dict, end: dict) -> dict:

@@ -4,35 +4,17 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
 
-# Triton datatype of every omni_chat / preprocess input.
-INPUT_TYPES = {
-    "text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32", "top_p": "FP32",
-    "top_k": "INT32", "min_p": "FP32", "random_seed": "UINT64", "stop_words": "BYTES",
-    "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
-    "ignore_eos": "BOOL", "logprobs": "INT32",
-}
+from omni_backend.vocabulary import PROMPT_TENSORS, SAMPLING_FIELDS
+
+# Triton datatype of every omni_chat / preprocess input (the request vocabulary's).
+INPUT_TYPES = {**PROMPT_TENSORS, **{field.tensor: field.datatype for field in SAMPLING_FIELDS}}
 NUMPY_TYPES = {"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32, "UINT64": np.uint64}
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on localhost right now."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def make_inputs(values: dict, client_module):

@@ -19,10 +19,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-from chat_client import free_ports  # noqa: E402
 
 from omni_backend import repository  # noqa: E402
-from omni_backend.triton_server import TritonServer  # noqa: E402
+from omni_backend.launch.ports import free_ports  # noqa: E402
+from omni_backend.launch.tritonserver import TritonServer  # noqa: E402
 
 # Small KV cache: enough for the tests' concurrency, light on a 2-core CI machine.
 # float32: greedy equality across batch compositions (a request alone vs among 8) holds in fp32; bf16 matmuls

@@ -7,8 +7,8 @@ import threading
 import time
 
 import uvicorn
-from chat_client import free_ports
 
+from omni_backend.launch.ports import free_ports
 from omni_backend.serving import ServingConfig, create_app
 
 MODEL = "omni_chat"
@@ -45,6 +45,6 @@ def front_door_config(triton_server, **overrides) -> ServingConfig:
     """Settings for a front door on a free port talking to `triton_server`; keyword overrides win."""
     (port,) = free_ports(1)
     values = dict(triton_grpc=triton_server.grpc_url, triton_http=triton_server.http_url,
-                  triton_metrics_url=triton_server.metrics_url, port=port)
+                  triton_metrics_url=triton_server.metrics_url, port=port, admin_key=triton_server.admin_key)
     values.update(overrides)
     return ServingConfig(**values)

@@ -8,6 +8,7 @@ import pytest
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.setup import smollm2
 from omni_backend.stages.preprocess import Preprocessor, parse_messages
+from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 MAX_MODEL_LEN = 2048
 
@@ -67,6 +68,11 @@ def test_settings_become_sampling_params(preprocessor):
 def test_defaults_when_optional_inputs_are_absent(preprocessor):
     params = SamplingParams.from_json(preprocessor.run(request("Hi"))["sampling_params"][0].decode())
     assert params == SamplingParams(max_tokens=16)
+    arrays = request("Hi")
+    del arrays["max_tokens"]  # absent: the rest of the context, filled here (the front door sends none)
+    out = preprocessor.run(arrays)
+    params = SamplingParams.from_json(out["sampling_params"][0].decode())
+    assert params == SamplingParams(max_tokens=MAX_MODEL_LEN - out["input_ids"].size)
 
 
 @pytest.mark.parametrize(
@@ -74,14 +80,14 @@ def test_defaults_when_optional_inputs_are_absent(preprocessor):
     [
         (request(None), "text_input is required"),
         (request(""), "text_input is empty"),
-        (request("Hi", max_tokens=0), "max_tokens must be at least 1"),
-        (request("Hi", max_tokens=-3), "max_tokens must be at least 1"),
+        (request("Hi", max_tokens=0), "max_tokens must be an integer in [1, inf), got 0"),
+        (request("Hi", max_tokens=-3), "max_tokens must be an integer in [1, inf), got -3"),
         (request("Hi", max_tokens=MAX_MODEL_LEN + 1), f"max_tokens must be at most {MAX_MODEL_LEN}"),
         (request('[{"role": "user", "content": "Hi"'), "not a valid messages JSON array"),
         (request("[]"), "non-empty JSON array"),
-        (request('[{"role": "user"}]'), "messages[0].content"),
-        (request('[{"content": "Hi"}]'), "messages[0].role"),
-        (request('[{"role": "user", "content": [{"type": "image_url"}]}]'), "messages[0].content[0]"),
+        (request('[{"role": "user"}]'), "text_input[0].content"),
+        (request('[{"content": "Hi"}]'), "text_input[0].role"),
+        (request('[{"role": "user", "content": [{"type": "image_url"}]}]'), "text_input[0].content[0]"),
         (request(b"\xff\xfe bad"), "text_input is not valid UTF-8"),
         (request("Hi", temperature=3.0), "temperature"),
         (request("Hi", top_p=0.0), "top_p"),
@@ -92,15 +98,18 @@ def test_defaults_when_optional_inputs_are_absent(preprocessor):
     ],
 )
 def test_bad_input_raises_value_error_naming_it(preprocessor, arrays, fragment):
-    with pytest.raises(ValueError) as excinfo:
+    with pytest.raises((ValueError, StageError)) as excinfo:
         preprocessor.run(arrays)
     assert fragment in str(excinfo.value)
+    if isinstance(excinfo.value, FieldError):  # the field it names is data, not only words
+        assert str(excinfo.value).startswith(excinfo.value.field + " ")
 
 
 def test_context_length_message_counts_tokens(preprocessor):
     prompt_tokens = len(preprocessor.tokenizer("word " * 2000).input_ids)
-    with pytest.raises(ValueError) as excinfo:
+    with pytest.raises(StageError) as excinfo:
         preprocessor.run(request("word " * 2000, max_tokens=100))
+    assert excinfo.value.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED
     assert str(excinfo.value) == (
         f"maximum context length is {MAX_MODEL_LEN} tokens, you requested {prompt_tokens + 100} tokens "
         f"({prompt_tokens} in the prompt, 100 for the completion)"

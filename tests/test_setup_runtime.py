@@ -4,10 +4,10 @@ import os
 import subprocess
 
 import pytest
-from chat_client import free_ports
 
 from omni_backend.setup import runtime
-from omni_backend.triton_server import TritonServer, TritonServerError
+from omni_backend.launch.ports import free_ports
+from omni_backend.launch.tritonserver import TritonServer, TritonServerError
 
 
 def test_runtime_layout(tmp_path):

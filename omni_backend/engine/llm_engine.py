@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TokenLogprob:
-    """Logprob of a generated token (natural log) and the top alternatives as (token_id, logprob)."""
+    """Logprob of a token (natural log; None for a prompt's first token) and the top alternatives as (token_id,
+    logprob)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]]
 
 
@@ -39,6 +40,8 @@ class RequestOutput:
         finish_reason: None while running, else "stop", "length" or "abort".
         prompt_tokens, completion_tokens: cumulative counts (tokens).
         logprobs: one entry per token of `token_ids` when requested, else empty.
+        prompt_logprobs: one entry per prompt token (the first with logprob None) in the request's first output
+            when params.prompt_logprobs asks, else None.
         first_scheduled_time, first_token_time: `time.monotonic()` when the request first ran in a step and
             when its first token was sampled (None until then); for metrics.
     """
@@ -52,6 +55,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,6 +71,7 @@ class RequestOutput:
             later.prompt_tokens, later.completion_tokens, self.logprobs + later.logprobs,
             self.first_scheduled_time if self.first_scheduled_time is not None else later.first_scheduled_time,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
 
 
@@ -79,6 +84,7 @@ class _RequestState:
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
         self.text = ""  # accumulated text of non-streamed requests
+        self.prompt_logprobs_sent = False
 
 
 class LLMEngine:
@@ -230,12 +236,21 @@ class LLMEngine:
             return None  # hold ids until they produce visible text (incomplete UTF-8 or possible stop string)
         output = RequestOutput(seq.request_id, delta, state.pending_ids, seq.finish_reason if final else None,
                                seq.num_prompt_tokens, seq.num_output_tokens, state.pending_logprobs,
-                               seq.first_scheduled_time, seq.first_token_time)
+                               seq.first_scheduled_time, seq.first_token_time, self._prompt_logprobs(state))
         state.pending_ids = []
         state.pending_logprobs = []
         if final:
             del self.requests[seq.request_id]
         return output
+
+    @staticmethod
+    def _prompt_logprobs(state: _RequestState) -> list[TokenLogprob] | None:
+        """The prompt's logprobs for the request's first output (None after it, or when not asked for)."""
+        seq = state.seq
+        if seq.params.prompt_logprobs is None or state.prompt_logprobs_sent:
+            return None
+        state.prompt_logprobs_sent = True
+        return [TokenLogprob(token, logprob, top) for token, logprob, top in seq.prompt_logprobs]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Offline batch generation: run all prompts to completion; returns one final output per prompt."""

@@ -29,6 +29,7 @@ from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_siz
 from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
 from omni_backend.engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
@@ -323,6 +324,8 @@ class ModelRunner:
         """
         inputs = prepare_step(batch, self.block_manager, self.staging)
         hidden = self._forward(inputs)
+        if any(seq.params.prompt_logprobs is not None for seq in batch.seqs[:batch.num_prefills]):
+            record_prompt_logprobs(batch, hidden, self.model.compute_logits)
         result = None
         if inputs.sampled:
             rows = hidden if inputs.is_decode_only else hidden[inputs.logit_rows]

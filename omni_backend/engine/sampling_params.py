@@ -1,8 +1,9 @@
-"""Per-request sampling settings and their validation.
+"""Per-request sampling settings, their allowed ranges, and their validation.
 
-Ranges follow the OpenAI API reference (temperature [0, 2], presence/frequency penalty [-2, 2], top_logprobs
-[0, 20]) and vLLM's `SamplingParams` for the extensions (top_k, min_p, repetition_penalty > 0, CTRL paper,
-Keskar et al. 2019).
+`RANGES` is the one table of numeric ranges: the OpenAI API reference for temperature [0, 2],
+presence/frequency penalty [-2, 2] and top_logprobs [0, 20], and vLLM's `SamplingParams` for the extensions
+(top_k >= -1, min_p [0, 1], repetition_penalty > 0 after the CTRL paper, Keskar et al. 2019). The request
+vocabulary (`omni_backend.vocabulary`) and the OpenAI front door read their ranges from here.
 """
 
 from __future__ import annotations
@@ -15,23 +16,84 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
-@dataclass
-class SamplingParams:
-    """How one request samples and when it stops.
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of one numeric setting: from `low` to `high` inclusive, `low` itself excluded when
+    `low_open`; None is unbounded on that side. `integer`: only integers (a bool is not one)."""
+
+    low: float | None
+    high: float | None = None
+    low_open: bool = False
+    integer: bool = False
+
+    def contains(self, value) -> bool:
+        """True when `value` has the right type (int; or int/float when not `integer`), is finite and lies in the
+        range."""
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        """The range in interval notation, e.g. "[0, 2]", "(0, 1]", "[1, inf)"."""
+        low = "-inf" if self.low is None else _number_text(self.low)
+        high = "inf" if self.high is None else _number_text(self.high)
+        opening = "(" if self.low_open or self.low is None else "["
+        return f"{opening}{low}, {high}{')' if self.high is None else ']'}"
+
+
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, integer=True),
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(-1, integer=True),
+    "min_p": Range(0.0, 1.0),
+    "seed": Range(0, 2**63 - 1, integer=True),
+    "repetition_penalty": Range(0.0, 2.0**31, low_open=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS, integer=True),
+}
+"""SamplingParams attribute -> allowed values, for every numeric attribute (an optional one may also be None)."""
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling setting of the wrong type or out of range.
 
     Attributes:
-        max_tokens: number of new tokens to generate, >= 1 (tokens).
+        field: the SamplingParams attribute at fault.
+        problem: what is wrong, without the field's name ("must be in [0, 2], got 3"); str() is
+            "<field> <problem>".
+    """
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops (numeric ranges: `RANGES`).
+
+    Attributes:
+        max_tokens: number of new tokens to generate (tokens).
         temperature: softmax temperature; 0 means greedy (argmax).
-        top_p: nucleus sampling mass in (0, 1].
+        top_p: nucleus sampling mass.
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p * p_max; 0 disables.
         seed: per-request RNG seed; same seed + prompt gives the same output. None: unseeded.
-        repetition_penalty: > 0; 1 disables (CTRL-style: logits of seen tokens divided/multiplied).
-        presence_penalty, frequency_penalty: in [-2, 2], OpenAI semantics over generated tokens.
-        stop: stop strings; their text is never returned.
+        repetition_penalty: 1 disables (CTRL-style: logits of seen tokens divided/multiplied).
+        presence_penalty, frequency_penalty: OpenAI semantics over generated tokens.
+        stop: stop strings (at most MAX_STOP_STRINGS, none empty); their text is never returned.
         stop_token_ids: extra token ids that end generation (the token itself is not returned).
         ignore_eos: keep generating past the EOS token.
-        logprobs: None for none, else the number of top alternatives (0..20) returned per token.
+        logprobs: None for none, else the number of top alternatives returned per token.
+        prompt_logprobs: None for none, else logprobs of the prompt's own tokens are returned too, with this
+            many top alternatives each (the first prompt token has none).
         stream: send deltas as they are produced instead of one final response.
     """
 
@@ -48,6 +110,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stream: bool = False
 
     def __post_init__(self) -> None:
@@ -62,41 +125,34 @@ class SamplingParams:
         """Check every field's type and range.
 
         Raises:
-            ValueError: naming the field and its allowed range.
+            InvalidSamplingParam: naming the field and its allowed range.
         """
-        _integer("max_tokens", self.max_tokens, low=1)
-        _number("temperature", self.temperature, 0.0, 2.0)
-        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _integer("top_k", self.top_k, low=-1)
-        _number("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None:
-            _integer("seed", self.seed, low=0, high=2**63 - 1)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, 2.0**31, low_open=True)
-        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
+                continue
+            if not allowed.contains(value):
+                kind = "an integer" if allowed.integer else "a finite number"
+                raise InvalidSamplingParam(name, f"must be {kind} in {allowed.describe()}, got {value!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop must be a string or a list of strings")
+            raise InvalidSamplingParam("stop", "must be a string or a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise InvalidSamplingParam("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if not isinstance(self.stop_token_ids, list):
-            raise ValueError("stop_token_ids must be a list of integers")
-        for token_id in self.stop_token_ids:
-            _integer("stop_token_ids", token_id, low=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError("ignore_eos must be a boolean")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, low=0, high=MAX_TOP_LOGPROBS)
-        if not isinstance(self.stream, bool):
-            raise ValueError("stream must be a boolean")
+            raise InvalidSamplingParam("stop", "strings must not be empty")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidSamplingParam("stop_token_ids", "must be a list of integers >= 0")
+        for name in ("ignore_eos", "stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSamplingParam(name, f"must be a boolean, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
         """Build from a JSON-like dict (keys as the attribute names; None means default).
 
         Raises:
-            ValueError: unknown key, wrong type or out-of-range value.
+            ValueError: unknown key; InvalidSamplingParam: wrong type or out-of-range value.
         """
         if not isinstance(values, dict):
             raise ValueError("sampling parameters must be a JSON object")
@@ -107,10 +163,7 @@ class SamplingParams:
         given = {k: v for k, v in values.items() if v is not None}
         if isinstance(given.get("stop"), str):
             given["stop"] = [given["stop"]]
-        try:
-            return cls(**given)
-        except TypeError as exc:  # dataclass signature mismatch
-            raise ValueError(str(exc)) from exc
+        return cls(**given)
 
     @classmethod
     def from_json(cls, text: str) -> "SamplingParams":
@@ -126,17 +179,5 @@ class SamplingParams:
         return json.dumps(asdict(self))
 
 
-def _integer(name: str, value, low: int | None = None, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
-
-
-def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    below = value <= low if low_open else value < low
-    if below or value > high:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 2**63 else repr(value)

@@ -77,6 +77,8 @@ class Sequence:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted to a step
         self.first_token_time: float | None = None
+        # (token id, logprob, top alternatives) per prompt token, when params.prompt_logprobs asks (prompt_logprobs.py)
+        self.prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] = []
         self.generator: torch.Generator | None = None
 
     def __len__(self) -> int:

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from omni_backend.ops.hardware import GpuInfo, GpuReading, Nvml, NvmlUnavailable
-from omni_backend.ops.metrics import NOT_ADMITTING_MESSAGE
+from omni_backend.vocabulary import ErrorKind, StageError
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,12 @@ class GovernorState(enum.IntEnum):
     NOT_ADMITTING = 3  # critical temperature: new requests refused
 
 
-class NotAdmitting(RuntimeError):
-    """A new request arrived while the governor refuses admission (Triton UNAVAILABLE, HTTP 503)."""
+class NotAdmitting(StageError):
+    """A new request arrived while the governor refuses admission (error kind NOT_ADMITTING: Triton UNAVAILABLE,
+    HTTP 503 with Retry-After `retry_after_s`)."""
 
     def __init__(self, message: str, retry_after_s: int):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+        super().__init__(ErrorKind.NOT_ADMITTING, message, retry_after_s=retry_after_s)
 
 
 @dataclass
@@ -190,6 +190,6 @@ class Governor:
         """Raise NotAdmitting while the GPU is at its critical temperature (called for each new request)."""
         if not self.admitting:
             temperature = self.reading.temperature_c if self.reading else float("nan")
-            raise NotAdmitting(f"{NOT_ADMITTING_MESSAGE}: GPU temperature {temperature:.0f} C is at or above "
+            raise NotAdmitting(f"not admitting new requests: GPU temperature {temperature:.0f} C is at or above "
                                f"the critical {self.critical_temp_c:.0f} C; retry after "
                                f"{self.config.retry_after_s} s", self.config.retry_after_s)

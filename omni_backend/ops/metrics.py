@@ -237,7 +237,6 @@ class StageHeartbeat:
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)', re.MULTILINE)
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 NOT_ADMITTING = 3  # GovernorState.NOT_ADMITTING (not imported: that module pulls in torch)
-NOT_ADMITTING_MESSAGE = "not admitting new requests"  # how the governor's UNAVAILABLE error message starts
 HEARTBEAT = "omni_stage_heartbeat_timestamp_seconds"
 HEARTBEAT_DESCRIPTION = "Unix time (s) at which the stage last showed progress"
 """One help text for every stage's family of that name; for the stages with a StageHeartbeat, "progress" means
@@ -301,14 +300,3 @@ def stages_ready(metrics_text: str, now: float | None = None) -> tuple[bool, str
     if hot:
         return False, f"not admitting (critical GPU temperature): {', '.join(sorted(hot))}"
     return True, "ok"
-
-
-def retry_after_s(error_message: str) -> int | None:
-    """Seconds to put in a Retry-After header when `error_message` is the governor's refusal, else None.
-
-    The llm stage refuses with Triton's UNAVAILABLE code, but Triton 2.51 passes only the message of a decoupled
-    model's error to clients (gRPC streams carry no code; `/generate` answers 400), so a front door recognises
-    the refusal by its message and answers 503 with Retry-After.
-    """
-    match = re.search(NOT_ADMITTING_MESSAGE + r".*retry after (\d+) s", error_message)
-    return int(match.group(1)) if match else None

@@ -11,7 +11,7 @@ import sys
 import uvicorn
 
 from omni_backend.serving.app import create_app
-from omni_backend.serving.config import ServingConfig
+from omni_backend.serving.config import ServingConfig, origins
 
 
 def parse_args(argv: list[str] | None = None) -> ServingConfig:
@@ -30,13 +30,15 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
     parser.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests)
     parser.add_argument("--graceful-shutdown-s", type=int, default=defaults.graceful_shutdown_s,
                         help="seconds requests in flight may run on after SIGTERM/SIGINT (0: cut at once)")
+    parser.add_argument("--allowed-origins", default=",".join(defaults.allowed_origins),
+                        help="browser origins CORS allows, comma-separated ('*': any; default none: CORS off)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     config = ServingConfig(
         triton_grpc=args.triton_grpc, triton_http=args.triton_http, triton_metrics_url=args.triton_metrics,
         models=tuple(args.models or defaults.models), api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests, graceful_shutdown_s=args.graceful_shutdown_s,
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, allowed_origins=origins(args.allowed_origins), admin_key=defaults.admin_key,
     )
     config.log_level = args.log_level
     return config

@@ -11,6 +11,8 @@
 | body limit | `--max-body-bytes` | `OMNI_OPENAI_MAX_BODY_BYTES` | 33554432 (32 MiB) |
 | requests in flight | `--max-concurrent-requests` | `OMNI_OPENAI_MAX_CONCURRENT_REQUESTS` | 256 (0: no limit) |
 | shutdown grace | `--graceful-shutdown-s` | `OMNI_OPENAI_GRACEFUL_SHUTDOWN_S` | 30 s |
+| browser origins (CORS) | `--allowed-origins` (comma-separated, `*` any) | `OMNI_OPENAI_ALLOWED_ORIGINS` | none: CORS off |
+| operator key | (environment only) | `OMNI_ADMIN_KEY` | none: `/v2` admin APIs closed |
 
 On SIGTERM/SIGINT the front door stops accepting connections at once and lets requests in flight (streams
 included) finish for up to the shutdown grace; whatever still runs then is cut.
@@ -46,6 +48,9 @@ class ServingConfig:
         max_concurrent_requests: generation requests served at once; more get 429 (0: no limit).
         graceful_shutdown_s: seconds requests in flight may run on after SIGTERM/SIGINT (0: cut at once).
         host, port: where the front door listens.
+        allowed_origins: browser origins allowed by CORS ("*": any); empty: CORS off (preflights get 400).
+        admin_key: the operator's key; `/v2` APIs beyond inference, metadata and health are forwarded only with
+            it in the `omni-admin-key` header (tritonserver checks the same key). None: never forwarded.
     """
 
     triton_grpc: str = "localhost:8001"
@@ -58,6 +63,8 @@ class ServingConfig:
     graceful_shutdown_s: int = 30
     host: str = "0.0.0.0"
     port: int = 9000
+    allowed_origins: tuple[str, ...] = ()
+    admin_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -69,6 +76,7 @@ class ServingConfig:
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         self.models = tuple(self.models)
+        self.allowed_origins = tuple(self.allowed_origins)
 
     @classmethod
     def from_env(cls, environ=None) -> "ServingConfig":
@@ -90,4 +98,11 @@ class ServingConfig:
             graceful_shutdown_s=_env_int(env, "OMNI_OPENAI_GRACEFUL_SHUTDOWN_S", cls.graceful_shutdown_s),
             host=env.get("OMNI_OPENAI_HOST") or cls.host,
             port=_env_int(env, "OMNI_OPENAI_PORT", cls.port),
+            allowed_origins=origins(env.get("OMNI_OPENAI_ALLOWED_ORIGINS") or ""),
+            admin_key=env.get("OMNI_ADMIN_KEY") or None,
         )
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """Comma-separated origins ("https://a.example, https://b.example", or "*") as a tuple."""
+    return tuple(origin.strip() for origin in text.split(",") if origin.strip())

@@ -1,43 +1,34 @@
-"""OpenAI error objects and the mapping from Triton's errors to HTTP statuses.
+"""OpenAI error objects, and the one mapping from Triton's errors to them.
 
 Every error leaves the front door as `{"error": {"message", "type", "param", "code"}}` with the status the
-OpenAI API uses. Triton errors reach us two ways:
-
-- unary calls (the preprocess stage) raise `InferenceServerException` with a gRPC status: INVALID_ARGUMENT is
-  the client's fault (400), UNAVAILABLE means overloaded or not ready (503 + Retry-After), the rest are faults.
-- a gRPC stream (the llm stage) carries only the error *message* (Triton 2.51's ModelStreamInferResponse has no
-  status code), so `stream_error` classifies it by the llm stage's own wording: the stage answers bad requests
-  with INVALID_ARG and a message naming the problem, faults with "llm failed: ..." or "engine step failed", and
-  overload ("waiting queue is full ...", its bounded queue) with UNAVAILABLE, answered here as 429.
-
-Either way, Triton 2.51's error for a request to a stage whose Python stub process died ("Stub process
-'<model>_0_0' is not healthy.", gRPC INTERNAL on a unary call) is 503 + Retry-After (`stage_down`): the server's
-fault, but unavailability (the stage is down; this 2.51 build restarts no stub, see docs/architecture.md
-"A dead stage"), not the client's and not a bug to report as 500.
+OpenAI API uses. A stage's error reaches the front door as a message (gRPC streams carry nothing else in Triton
+2.51) whose header names its kind and field (`omni_backend.vocabulary.StageError`); `from_triton` reads that
+header, so the status is the kind's, never a guess from the wording. Messages without a header are Triton's own:
+its words for a stage whose Python stub process died ("Stub process '<model>_0_0' is not healthy.", this 2.51
+build restarts no stub, see docs/architecture.md "A dead stage") become 503 + Retry-After naming the stage; the
+rest take their gRPC status (INVALID_ARGUMENT 400, UNAVAILABLE 503, NOT_FOUND 503, DEADLINE_EXCEEDED 504). On a
+stream, where there is no status, Triton's words for a model it is not serving (unloaded at shutdown, not
+ready, its queue full) are 503 (`TRITON_UNAVAILABLE`), and anything else is a fault (500): the front door built
+the request, so Triton refusing it is not the client's doing.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
-from omni_backend.ops.metrics import retry_after_s
+from omni_backend.vocabulary import ErrorKind, StageError, openai_param
 
 RETRY_AFTER_S = 1
 
-# Triton input tensor -> the OpenAI field a client sent (for messages that name a tensor).
-TENSOR_FIELDS = {
-    "text_input": "prompt", "prompt_token_ids": "prompt", "random_seed": "seed", "stop_words": "stop",
-}
-
-_QUEUE_FULL = re.compile(r"waiting queue is full", re.I)  # omni_backend.stages.llm.QUEUE_FULL_MESSAGE
-_UNAVAILABLE = re.compile(
-    r"shutting down|not ready|unavailable|exceeds maximum queue size|overloaded|not admitting new requests", re.I
-)
-_FAULT = re.compile(r"^(llm|preprocess|postprocess) failed:|engine step failed", re.I)
-_CONTEXT = re.compile(r"maximum context length", re.I)
 # Triton 2.51 (python_backend) for a request to a model whose stub process died: "Stub process 'llm_0_0' is not
 # healthy." (decoupled llm: in the stream's error message; unary stages: gRPC INTERNAL with that message)
 STUB_DEAD = re.compile(r"Stub process '(?P<instance>[^']*)' is not healthy|stub process .*not healthy", re.I)
+# Triton 2.51's own words for a model it is not serving (no status reaches a stream's client): unloaded during
+# shutdown ("Request for unknown model: 'llm' has no available versions"), not ready, its queue full.
+TRITON_UNAVAILABLE = re.compile(r"has no available versions|is not ready|exceeds maximum queue size|"
+                                r"Server is shutting down|unavailable", re.I)
+_ENSEMBLE_PREFIX = re.compile(r"^(?:in ensemble '[^']*', )+")
 
 
 class OpenAIError(Exception):
@@ -86,11 +77,22 @@ def model_not_found(model: str) -> OpenAIError:
                        "model_not_found")
 
 
-def unavailable(message: str) -> OpenAIError:
-    """503 with Retry-After: Triton is not ready, unreachable, its queue is full, or the llm stage's governor is
-    not admitting new requests (its message says for how long; see `omni_backend.ops.metrics.retry_after_s`)."""
+def unavailable(message: str, retry_after: int | None = None) -> OpenAIError:
+    """503 with Retry-After (`retry_after` seconds, default RETRY_AFTER_S): Triton is not ready or unreachable,
+    a stage is down, or the llm stage's governor is not admitting new requests."""
     return OpenAIError(503, message, "server_error", None, "service_unavailable",
-                       retry_after=retry_after_s(message) or RETRY_AFTER_S)
+                       retry_after=retry_after or RETRY_AFTER_S)
+
+
+def overloaded(limit: int) -> OpenAIError:
+    """429 with Retry-After: the front door's own limit on requests in flight."""
+    return OpenAIError(429, f"too many requests in flight (limit {limit}); retry shortly", "rate_limit_error",
+                       None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+
+
+def internal(message: str) -> OpenAIError:
+    """500: a real fault in the server."""
+    return OpenAIError(500, message, "server_error", None, "internal_error")
 
 
 def dead_stage(message: str) -> str | None:
@@ -110,81 +112,60 @@ def stage_down(message: str) -> OpenAIError:
     return unavailable(f"{stage} is down (its process died): {message}")
 
 
-def overloaded(limit: int) -> OpenAIError:
-    """429 with Retry-After: the front door's own limit on requests in flight."""
-    return OpenAIError(429, f"too many requests in flight (limit {limit}); retry shortly", "rate_limit_error",
-                       None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
-
-
-def queue_full(message: str) -> OpenAIError:
-    """429 with Retry-After: the llm stage's waiting queue is full (`max_queued_requests`), `message` its words."""
-    return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
-
-
-def internal(message: str) -> OpenAIError:
-    """500: a real fault in the server."""
-    return OpenAIError(500, message, "server_error", None, "internal_error")
-
-
-def client_error(message: str, prompt_field: str) -> OpenAIError:
-    """400 for a Triton stage's INVALID_ARG message, with the field named as the client knows it.
+def from_stage(error: StageError, param_for: Callable[[str], str], prompt_field: str | None) -> OpenAIError:
+    """The OpenAIError for a stage's error of a known kind.
 
     Args:
-        message: the stage's message (it starts with the tensor name when it names one).
-        prompt_field: what the prompt is called on this endpoint ("messages" or "prompt").
+        error: the parsed StageError.
+        param_for: the client's name for a stage's field (`text_input[0].content[1]` -> `messages[0].content[1]`).
+        prompt_field: what the prompt is called on this endpoint ("messages", "prompt"), named by
+            CONTEXT_LENGTH_EXCEEDED; None where there is no prompt.
     """
-    message = re.sub(r"^in ensemble '[^']*', ", "", message)
-    if _CONTEXT.search(message):
-        return invalid(f"{message}; reduce the length of the {prompt_field} or of the completion (max_tokens)",
-                       prompt_field, "context_length_exceeded")
-    first = re.match(r"[A-Za-z_]+", message)
-    param = first.group(0) if first else None
-    if param in TENSOR_FIELDS:
-        field = prompt_field if TENSOR_FIELDS[param] == "prompt" else TENSOR_FIELDS[param]
-        message = field + message[len(param):]
-        param = field
-        part = _CONTENT_PART.match(message[len(field) + 1:])
-        if part:  # an image/audio part preprocess refused: "messages[i].content[j] (type): ..." names the part
-            message, param = message[len(field) + 1:], part.group(1)
-    elif param not in _KNOWN_FIELDS:
-        param = None
-    return invalid(message, param)
+    kind = error.kind
+    if kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED:
+        advice = f"; reduce the length of the {prompt_field} or of the completion (max_tokens)" if prompt_field else ""
+        return invalid(error.message + advice, prompt_field, "context_length_exceeded")
+    if kind is ErrorKind.INVALID_ARGUMENT:
+        if error.field is None:
+            return invalid(error.message)
+        param = param_for(error.field)
+        return invalid(param + error.message.removeprefix(error.field), param)
+    if kind is ErrorKind.QUEUE_FULL:
+        return OpenAIError(429, error.message, "rate_limit_error", None, "rate_limit_exceeded",
+                           retry_after=error.retry_after_s or RETRY_AFTER_S)
+    if kind in (ErrorKind.NOT_ADMITTING, ErrorKind.UNAVAILABLE):
+        return unavailable(error.message, error.retry_after_s)
+    return internal(error.message)
 
 
-_CONTENT_PART = re.compile(r"(messages\[\d+\]\.content\[\d+\]) \((?:image_url|input_audio)\)")
+def from_triton(message: str, grpc_status: str | None = None, prompt_field: str | None = "prompt",
+                param_for: Callable[[str], str] | None = None) -> OpenAIError:
+    """The OpenAIError for an error Triton returned (see the module docstring).
 
-_KNOWN_FIELDS = {
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "stop", "logprobs", "ignore_eos", "messages", "prompt",
-}
-
-
-def stream_error(message: str, prompt_field: str) -> OpenAIError:
-    """Classify an error that arrived on a gRPC stream (message only; see the module docstring)."""
-    if STUB_DEAD.search(message):
-        return stage_down(message)
-    if _QUEUE_FULL.search(message):
-        return queue_full(re.sub(r"^in ensemble '[^']*', ", "", message))
-    if _UNAVAILABLE.search(message):
-        return unavailable(message)
-    if _FAULT.search(message):
-        return internal(message)
-    return client_error(message, prompt_field)
-
-
-def grpc_status_error(status: str | None, message: str, prompt_field: str) -> OpenAIError:
-    """Map a unary call's gRPC status (as tritonclient spells it, "StatusCode.X") to an OpenAIError."""
-    name = (status or "").rsplit(".", 1)[-1]
+    Args:
+        message: the error's message (a unary call's `exc.message()`, a stream's error message).
+        grpc_status: a unary call's status as tritonclient spells it ("StatusCode.INVALID_ARGUMENT"); None on a
+            stream.
+        prompt_field: the endpoint's name for the prompt (see `from_stage`).
+        param_for: the client's name for a stage's field; default: the generation vocabulary's
+            (`vocabulary.openai_param` with `prompt_field`).
+    """
     if STUB_DEAD.search(message):  # whatever the status (INTERNAL in 2.51): the stage's process died
         return stage_down(message)
+    error = StageError.parse(message)
+    if error is not None:
+        return from_stage(error, param_for or (lambda field: openai_param(field, prompt_field or "prompt")),
+                          prompt_field)
+    message = _ENSEMBLE_PREFIX.sub("", message)
+    name = (grpc_status or "").rsplit(".", 1)[-1]
     if name == "INVALID_ARGUMENT":
-        return client_error(message, prompt_field)
+        return invalid(message)
     if name in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
         return unavailable(message)
-    if name == "NOT_FOUND":
+    if name == "NOT_FOUND" or (not name and "has no available versions" in message):
         return unavailable(f"a pipeline model is not loaded: {message}")
     if name == "DEADLINE_EXCEEDED":
         return OpenAIError(504, message, "server_error", None, "timeout")
-    if not name and not message.startswith(("preprocess failed", "postprocess failed")):
-        return stream_error(message, prompt_field)
+    if not name and TRITON_UNAVAILABLE.search(message):
+        return unavailable(message)
     return internal(message)

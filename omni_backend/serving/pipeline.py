@@ -28,8 +28,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from omni_backend.serving.errors import (TENSOR_FIELDS, OpenAIError, dead_stage, grpc_status_error, internal,
-                                         invalid, stream_error, unavailable)
+from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
+from omni_backend.vocabulary import BY_PARAM, tensor_value_problem
 
 
 @dataclass
@@ -73,7 +73,6 @@ class Prepared:
     tensors: dict[str, np.ndarray]
     prompt_tokens: int
     prompt_text: str
-    generate: bool = True  # False for max_tokens 0: nothing to generate
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # llm inputs beyond the ensemble's (prompt_embeds)
 
 
@@ -86,6 +85,7 @@ class Step:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[dict] | None
+    prompt_logprobs: list[dict] | None = None
 
 
 WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
@@ -136,36 +136,21 @@ def _scalar(array: np.ndarray | None, default=None):
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
 
 
-def _client_field(tensor: str, prompt_field: str) -> str:
-    """The request field a Triton input came from (`random_seed` -> `seed`, `text_input` -> the prompt field)."""
-    field = TENSOR_FIELDS.get(tensor, tensor)
-    return prompt_field if field == "prompt" else field
-
-
 def numeric_array(items: list, datatype: str, field: str) -> np.ndarray:
     """`items` as a numpy array of a Triton numeric `datatype` ("INT32", "UINT64", "FP32", "BOOL", ...).
 
-    numpy would raise OverflowError for an integer beyond int64 and silently wrap one beyond a smaller type
-    (max_tokens 2**32 + 5 would become 5), and turn a float beyond float32's range into infinity.
+    numpy would raise OverflowError for an integer beyond int64, silently wrap one beyond a smaller type
+    (max_tokens 2**32 + 5 would become 5) and turn a float beyond float32's range into infinity, so every value
+    is checked against the datatype first (`vocabulary.tensor_value_problem`).
 
     Raises:
         OpenAIError: 400 naming `field` when a value does not fit the tensor's type.
     """
-    dtype = np.dtype(grpcclient.triton_to_np_dtype(datatype))
-    if dtype.kind in "iu":
-        limits = np.iinfo(dtype)
-        for value in items:
-            if not limits.min <= value <= limits.max:
-                raise invalid(f"{field} is out of range: {value} is not between {limits.min} and {limits.max}",
-                              field)
-    elif dtype.kind == "f":
-        with np.errstate(over="ignore"):
-            array = np.array(items, dtype=dtype)
-        if not np.isfinite(array).all():
-            raise invalid(f"{field} must be a finite number within the range of {dtype.name} (got {items[0]!r})",
-                          field)
-        return array
-    return np.array(items, dtype=dtype)
+    for value in items:
+        problem = tensor_value_problem(datatype, value)
+        if problem is not None:
+            raise invalid(f"{field} {problem}", field)
+    return np.array(items, dtype=np.dtype(grpcclient.triton_to_np_dtype(datatype)))
 
 
 class TritonGrpcUser:
@@ -253,25 +238,31 @@ class TritonPipeline(TritonGrpcUser):
         return PipelineInfo(self.model, wiring[0], wiring[1], wiring[2] if len(wiring) == 3 else None,
                             input_types, max_model_len)
 
-    async def prepare(self, values: dict, max_tokens: int | None, prompt_field: str,
+    async def prepare(self, text: str, token_ids: list[int] | None, settings: dict, prompt_field: str,
                       request_id: str = "") -> Prepared:
         """Run preprocess on one prompt.
 
         Args:
-            values: omni_chat inputs by name (`text_input`, `temperature`, `stop_words`, ...), plus
-                `prompt_token_ids` for a token-id prompt. Values are Python scalars or lists.
-            max_tokens: tokens to generate; 0 validates the prompt without generating; None means the rest
-                of the context (max_model_len - prompt tokens).
+            text: the prompt text (a plain prompt, or the messages as preprocess's JSON array); "" with token ids.
+            token_ids: a prompt given as token ids (sent as `prompt_token_ids`), or None.
+            settings: SamplingParams attribute -> value (`omni_backend.vocabulary` names), the settings given;
+                without max_tokens preprocess takes the rest of the context.
             prompt_field: the request field holding the prompt ("messages" or "prompt"), for error messages.
 
         Raises:
-            OpenAIError: 400 for bad input (Triton INVALID_ARG), 503 when Triton is unavailable, 500 otherwise.
+            OpenAIError: 400 for bad input (the field named as the client knows it), 503 when Triton is
+                unavailable, 500 otherwise.
         """
         info = await self.info()
-        values = dict(values, max_tokens=max_tokens if max_tokens else 1)
+        values = [("text_input", text, prompt_field)]
+        if token_ids is not None:
+            if not info.accepts_token_ids:
+                raise invalid("this model does not take prompts as token ids", prompt_field)
+            values.append(("prompt_token_ids", token_ids, prompt_field))
+        values += [(BY_PARAM[param].tensor, value, BY_PARAM[param].openai[0]) for param, value in settings.items()]
         by_ensemble_name = {tensor: name for name, tensor in info.preprocess.inputs.items()}
         inputs = []
-        for name, value in values.items():
+        for name, value, field_name in values:
             stage_name = by_ensemble_name.get(name, name)
             datatype = info.input_types.get(stage_name)
             if datatype is None:
@@ -281,10 +272,10 @@ class TritonPipeline(TritonGrpcUser):
                 try:
                     array = np.array([str(v).encode("utf-8") for v in items], dtype=np.object_)
                 except UnicodeEncodeError:  # JSON allows unpaired surrogates ("\ud800"); UTF-8 does not
-                    field = _client_field(name, prompt_field)
-                    raise invalid(f"{field} is not valid Unicode (it holds an unpaired surrogate)", field) from None
+                    raise invalid(f"{field_name} is not valid Unicode (it holds an unpaired surrogate)",
+                                  field_name) from None
             else:
-                array = numeric_array(items, datatype, _client_field(name, prompt_field))
+                array = numeric_array(items, datatype, field_name)
             tensor = grpcclient.InferInput(stage_name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
@@ -300,9 +291,7 @@ class TritonPipeline(TritonGrpcUser):
         extra = {}
         if result.as_numpy("media_parts") is not None:
             extra = await self._encode_media(result, prompt_field, request_id)
-        if max_tokens is None and info.max_model_len is not None:
-            tensors = self._with_max_tokens(tensors, info, max(1, info.max_model_len - prompt_tokens))
-        return Prepared(tensors, prompt_tokens, prompt_text, generate=max_tokens != 0, extra=extra)
+        return Prepared(tensors, prompt_tokens, prompt_text, extra=extra)
 
     async def _encode_media(self, result, prompt_field: str, request_id: str) -> dict[str, np.ndarray]:
         """Run every image/audio of a preprocessed request through its encoder stage, one Triton request per
@@ -339,16 +328,6 @@ class TritonPipeline(TritonGrpcUser):
             raise internal(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")
         return {"prompt_embeds": embeds, "prompt_embed_positions": positions}
 
-    @staticmethod
-    def _with_max_tokens(tensors: dict, info: PipelineInfo, max_tokens: int) -> dict:
-        """Rewrite max_tokens inside the sampling_params JSON tensor (the engine re-validates it)."""
-        for name, tensor in info.preprocess.outputs.items():
-            if name == "sampling_params":
-                params = json.loads(_scalar(tensors[name]))
-                params["max_tokens"] = max_tokens
-                tensors = dict(tensors, **{name: np.array([json.dumps(params).encode()], dtype=np.object_)})
-        return tensors
-
     async def generate(self, prepared: Prepared, prompt_field: str, request_id: str = "") -> AsyncIterator[Step]:
         """Stream one request through llm (and postprocess); the last Step has a finish_reason.
 
@@ -381,7 +360,7 @@ class TritonPipeline(TritonGrpcUser):
                 result, error = item
                 if error is not None:
                     finished = True  # the server ended this request itself
-                    raise stream_error(error.message(), prompt_field)
+                    raise from_triton(error.message(), None, prompt_field)
                 outputs = {}
                 for name, tensor in info.llm.outputs.items():
                     array = result.as_numpy(name)
@@ -448,26 +427,32 @@ class TritonPipeline(TritonGrpcUser):
         return {tensor: result.as_numpy(name) for name, tensor in step.outputs.items()}
 
     def _unary_error(self, model: str, exc: InferenceServerException, prompt_field: str) -> OpenAIError:
-        """`grpc_status_error` for a unary stage's failure; a dead stub also marks its stage down (see __init__)."""
+        """`errors.from_triton` for a unary stage's failure; a dead stub also marks its stage down (see __init__)."""
         stage = dead_stage(exc.message())
         if stage is not None:
             self.down_stages[stage or model] = exc.message()
-        return grpc_status_error(exc.status(), exc.message(), prompt_field)
+        return from_triton(exc.message(), exc.status(), prompt_field)
 
     @staticmethod
     def _step(outputs: dict) -> Step:
-        logprobs_json = _scalar(outputs.get("output_logprobs"), "")
-        try:
-            logprobs = json.loads(logprobs_json) if logprobs_json else None
-        except json.JSONDecodeError as exc:
-            raise internal(f"output_logprobs is not valid JSON: {exc.msg}") from None
         return Step(
             text=_scalar(outputs.get("text_output"), ""),
             finish_reason=_scalar(outputs.get("finish_reason"), "") or None,
             prompt_tokens=int(_scalar(outputs.get("prompt_tokens"), 0)),
             completion_tokens=int(_scalar(outputs.get("completion_tokens"), 0)),
-            logprobs=logprobs,
+            logprobs=_json_list(outputs, "output_logprobs"),
+            prompt_logprobs=_json_list(outputs, "prompt_token_logprobs"),
         )
 
 
-__all__ = ["OpenAIError", "Prepared", "PipelineInfo", "Step", "TritonGrpcUser", "TritonPipeline", "infer_to_completion"]
+def _json_list(outputs: dict, name: str) -> list[dict] | None:
+    """The postprocess stage's logprob entries in output `name`, None when absent or "" (not asked for).
+
+    Raises:
+        OpenAIError: 500 for output that is not valid JSON.
+    """
+    text = _scalar(outputs.get(name), "")
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError as exc:
+        raise internal(f"{name} is not valid JSON: {exc.msg}") from None

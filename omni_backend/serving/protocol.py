@@ -1,50 +1,83 @@
-"""OpenAI request models (field names and ranges as in the OpenAI API reference) and response objects.
+"""OpenAI request models for chat and completions, and the small response objects both share.
 
-Requests are validated with Pydantic; a validation error becomes a 400 that names the field (`schema_error`).
+Field names follow the OpenAI API reference; the ranges of the sampling settings are `SamplingParams`' (through
+`omni_backend.vocabulary`), narrowed where a Triton tensor type holds less (max_tokens and top_k are INT32).
 Extensions beyond OpenAI's fields, as vLLM spells them: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`.
-Fields we do not serve yet (tools, response_format other than text, logit_bias, audio output, suffix, best_of
-other than n) are rejected with a 400 naming them rather than silently ignored; unknown fields are ignored.
+
+Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
+read as true or 16. `null` means the default for every field the OpenAI API reference marks nullable (all the
+optional settings here, plus `user`); `model`, `messages`, `prompt` and the extension `ignore_eos` must not be
+null. Fields we do not serve yet (tools, response_format other than text, logit_bias, suffix, best_of other than
+n) are rejected with a 400 naming them rather than silently ignored; unknown fields are ignored. A validation
+error becomes a 400 that names the field (`schema_error`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omni_backend.serving.errors import OpenAIError, invalid
+from omni_backend.serving.generation import GenerationRequest, Prompt
+from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES
 
-MAX_SEED = 2**63 - 1
+MAX_N = 128
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on `logprobs`
 MEDIA_PARTS = ("image_url", "input_audio")  # content parts sent on to preprocess, which decodes them
 
 
+def setting(param: str, default=None):
+    """A pydantic Field for the sampling setting `param`, bounded by the vocabulary's `allowed` range
+    (SamplingParams' range within what its tensor's type holds)."""
+    allowed = BY_PARAM[param].allowed
+    bounds: dict[str, float] = {}
+    if allowed.low is not None:
+        bounds["gt" if allowed.low_open else "ge"] = allowed.low
+    if allowed.high is not None:
+        bounds["le"] = allowed.high
+    return Field(default, **bounds)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool | None = None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """What chat and completions share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    NOT_NULLABLE: ClassVar[frozenset[str]] = frozenset({"model", "ignore_eos"})
 
     model: str
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    n: int = Field(1, ge=1, le=128)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    frequency_penalty: float | None = setting("frequency_penalty")
+    presence_penalty: float | None = setting("presence_penalty")
+    repetition_penalty: float | None = setting("repetition_penalty")
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = setting("seed")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: float | None = setting("temperature")
+    top_p: float | None = setting("top_p")
+    top_k: int | None = setting("top_k")
+    min_p: float | None = setting("min_p")
     ignore_eos: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, body: Any) -> Any:
+        """Drop `null` values of nullable fields, so they take their defaults."""
+        if isinstance(body, dict):
+            return {k: v for k, v in body.items() if v is not None or k in cls.NOT_NULLABLE}
+        return body
 
     def check_common(self) -> None:
         """Cross-field rules Pydantic's per-field constraints cannot say.
@@ -56,28 +89,29 @@ class _Request(BaseModel):
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         if self.logit_bias:
             raise invalid("logit_bias is not supported by this server", "logit_bias")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(s == "" for s in stops):
+        if any(s == "" for s in self.stops()):
             raise invalid("stop strings must not be empty", "stop")
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_values(self) -> dict[str, Any]:
-        """The Triton omni_chat inputs these settings become (absent ones are not sent)."""
+    def settings(self) -> dict[str, Any]:
+        """The sampling settings given, by SamplingParams attribute (absent ones are left to the stages)."""
         values = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "random_seed": self.seed, "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "ignore_eos": self.ignore_eos or None,
-            "stop_words": [self.stop] if isinstance(self.stop, str) else (self.stop or None),
+            "ignore_eos": self.ignore_eos or None, "stop": self.stops() or None, "stream": self.stream,
         }
         return {k: v for k, v in values.items() if v is not None}
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -86,16 +120,18 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = setting("max_tokens")
+    max_completion_tokens: int | None = setting("max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = setting("logprobs")
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+
+    NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"messages"}
 
     def check(self) -> None:
         """Raises OpenAIError (400 naming the field) for what the schema alone does not catch."""
@@ -109,14 +145,24 @@ class ChatCompletionRequest(_Request):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
         if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
-            raise invalid("audio output is not supported by this server yet", "modalities")
+            raise invalid("modalities: [\"text\"], or [\"text\", \"audio\"] with \"audio\" for audio output",
+                          "modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
 
-    @property
-    def completion_limit(self) -> int | None:
-        """max_completion_tokens (the current name) or max_tokens (deprecated), None when neither is set."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def generation(self) -> GenerationRequest:
+        """The pipeline request: the messages as preprocess's messages JSON, the settings by vocabulary name
+        (max_completion_tokens, else the deprecated max_tokens; neither: the rest of the context)."""
+        settings = self.settings()
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if limit is not None:
+            settings["max_tokens"] = limit
+        if self.logprobs:
+            settings["logprobs"] = self.top_logprobs or 0
+        return GenerationRequest(
+            kind="chat", model=self.model, prompt_field="messages",
+            prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False))], settings=settings,
+            n=self.n, include_usage=self.include_usage)
 
     def messages_json(self) -> list[dict]:
         """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
@@ -151,18 +197,16 @@ class ChatCompletionRequest(_Request):
             out.append({"role": role, "content": content})
         return out
 
-    def logprobs_count(self) -> int | None:
-        """Top alternatives per token for the engine, None for no logprobs."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0)
+    max_tokens: int = Field(16, ge=0, le=DATATYPE_RANGES["INT32"].high)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"prompt"}
 
     def check(self) -> None:
         self.check_common()
@@ -171,11 +215,30 @@ class CompletionRequest(_Request):
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of must equal n (this server returns every sequence it generates)", "best_of")
 
-    def prompts(self) -> list[str | list[int]]:
+    def generation(self) -> GenerationRequest:
+        """The pipeline request: one Prompt per prompt. With `echo` and `logprobs` the prompt's tokens get logprobs
+        too (`prompt_logprobs`, as vLLM names it). `max_tokens` 0 generates nothing: the prompt is still checked
+        and echoed, and when its logprobs are asked the llm stage runs its prefill for one token that is dropped
+        (the logprobs come from the prefill)."""
+        settings = self.settings()
+        if self.logprobs is not None:
+            settings["logprobs"] = self.logprobs
+        prompt_logprobs = self.echo and self.logprobs is not None
+        if prompt_logprobs:
+            settings["prompt_logprobs"] = self.logprobs
+        if self.max_tokens or prompt_logprobs:
+            settings["max_tokens"] = self.max_tokens or 1
+        return GenerationRequest(
+            kind="completion", model=self.model, prompt_field="prompt", prompts=self.prompts(), settings=settings,
+            n=self.n, include_usage=self.include_usage, echo=self.echo, generate=self.max_tokens > 0,
+            prompt_logprobs=prompt_logprobs)
+
+    def prompts(self) -> list[Prompt]:
         """Each prompt as text or token ids.
 
         Raises:
-            OpenAIError: an empty prompt (the whole list, a string or a token list), naming `prompt`.
+            OpenAIError: an empty prompt (the whole list, a string or a token list), or a token id beyond
+                INT32, naming `prompt`.
         """
         prompt = self.prompt
         if isinstance(prompt, str):
@@ -186,11 +249,18 @@ class CompletionRequest(_Request):
             items = list(prompt)
         if not items:
             raise invalid("prompt must not be empty", "prompt")
+        prompts = []
         for i, item in enumerate(items):
             if len(item) == 0:
                 raise invalid("prompt must not be empty" if len(items) == 1 else f"prompt[{i}] must not be empty",
                               "prompt")
-        return items
+            if isinstance(item, str):
+                prompts.append(Prompt(text=item))
+                continue
+            if not all(DATATYPE_RANGES["INT32"].contains(token) for token in item):
+                raise invalid(f"prompt holds a token id outside the INT32 range: {max(item, key=abs)}", "prompt")
+            prompts.append(Prompt(token_ids=item))
+        return prompts
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,28 +318,3 @@ def now() -> int:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def chat_logprobs(entries: list[dict] | None) -> dict | None:
-    """The postprocess stage's logprob entries as a chat choice's `logprobs` object."""
-    return None if entries is None else {"content": entries, "refusal": None}
-
-
-def completion_logprobs(entries: list[dict] | None, text_offset: int) -> dict | None:
-    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset.
-
-    Args:
-        entries: the postprocess stage's entries for the generated tokens (prompt logprobs are not produced).
-        text_offset: character offset of the first entry's token in the choice's text.
-    """
-    if entries is None:
-        return None
-    tokens, logprobs, tops, offsets = [], [], [], []
-    offset = text_offset
-    for entry in entries:
-        tokens.append(entry["token"])
-        logprobs.append(entry["logprob"])
-        tops.append({top["token"]: top["logprob"] for top in entry.get("top_logprobs", [])})
-        offsets.append(offset)
-        offset += len(entry["token"])
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -3,7 +3,7 @@ the SmolLM2 hidden size (576), from real transformers configs, with a fixed seed
 
 Their image/audio understanding is NOT meaningful: the weights are random. They exercise the whole serving path
 (decode, encode, batch, splice into the prompt). Point OMNI_VISION_MODEL_PATH / OMNI_AUDIO_MODEL_PATH at real
-checkpoints folders in the same layout to serve a real model (README, "Image and audio input").
+checkpoints folders in the same layout to serve a real model (docs/api.md, "Image and audio input").
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from omni_backend.stages.media_encoder import SPEC_FILE, encoder_path
+from omni_backend.stages.media_spec import SPEC_FILE, encoder_path
 
 LLM_HIDDEN = 576  # SmolLM2-135M
 PLACEHOLDER = "<empty_output>"  # a rarely used special token of the SmolLM2 tokenizer (id 16)
@@ -64,6 +64,6 @@ def ensure_encoders(log=print) -> bool:
 
 def _default(kind: str) -> Path:
     from omni_backend import paths
-    from omni_backend.stages.media_encoder import DEFAULT_DIRS
+    from omni_backend.stages.media_spec import DEFAULT_DIRS
 
     return paths.models_dir() / DEFAULT_DIRS[kind]

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from omni_backend.stages.media_encoder import MediaSpec
+from omni_backend.stages.media_spec import MediaSpec
 
 HOP_LENGTH = 160  # Whisper's mel hop at 16 kHz (10 ms)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_backend.stages.tensors import one_value
+from omni_backend.vocabulary import FieldError
 
 INPUT_NAMES = ("prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed")
 MAX_SEED = 2**63 - 1
@@ -128,25 +129,25 @@ class ImageRequest:
         """Validate one request's tensors (batch dimension included or not) against `limits`.
 
         Raises:
-            ValueError: the message starts with the tensor's name and says what is allowed.
+            FieldError: naming the tensor (`size` for the width and height together) and what is allowed.
         """
         prompt = one_value(arrays, "prompt", str)
         if prompt is None or not prompt.strip():
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "must not be empty")
         if len(prompt) > limits.max_prompt_chars:
-            raise ValueError(f"prompt is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
+            raise FieldError("prompt", f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
         negative = one_value(arrays, "negative_prompt", str)
         width = one_value(arrays, "width", int, limits.default_size[0])
         height = one_value(arrays, "height", int, limits.default_size[1])
         if (width, height) not in limits.sizes:
-            raise ValueError(f"size {width}x{height} is not supported; supported sizes: "
+            raise FieldError("size", f"{width}x{height} is not supported; supported sizes: "
                              f"{', '.join(limits.size_names)}")
         steps = one_value(arrays, "steps", int, limits.default_steps)
         if not 1 <= steps <= limits.max_steps:
-            raise ValueError(f"steps must be between 1 and {limits.max_steps}, got {steps}")
+            raise FieldError("steps", f"must be between 1 and {limits.max_steps}, got {steps}")
         guidance = one_value(arrays, "guidance_scale", float, limits.default_guidance)
         if not (math.isfinite(guidance) and limits.min_guidance <= guidance <= limits.max_guidance):
-            raise ValueError(f"guidance_scale must be between {limits.min_guidance} and {limits.max_guidance}, "
+            raise FieldError("guidance_scale", f"must be between {limits.min_guidance} and {limits.max_guidance}, "
                              f"got {guidance}")
         seed = one_value(arrays, "seed", int, -1)
         if seed < 0:

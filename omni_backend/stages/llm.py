@@ -11,8 +11,12 @@ scheduler's sequences-per-step limit, and while the GPU is at its critical tempe
 requests with `NotAdmitting` (Triton UNAVAILABLE) while admitted ones run to the end.
 
 Overload: the service holds at most `max_num_seqs + max_queued_requests` requests (running plus waiting); past
-that `submit` refuses at once with `QueueFull` (Triton UNAVAILABLE, "waiting queue is full ... retry later"),
-so a burst never grows an unbounded queue, and every request it accepted runs to the end.
+that `submit` refuses at once with `QueueFull` (Triton UNAVAILABLE, error kind QUEUE_FULL: "waiting queue is full
+... retry later"), so a burst never grows an unbounded queue, and every request it accepted runs to the end.
+
+Errors reach a request's stream as `StageError`s (`omni_backend.vocabulary`): their kind travels in the message's
+header, because Triton 2.51 hands a decoupled model's clients only the message. A step or loop that fails is
+INTERNAL, a request the engine cannot take INVALID_ARGUMENT, the server shutting down UNAVAILABLE.
 
 Shutdown: tritonserver keeps the model loaded while requests it accepted still stream, but when its
 `--exit-timeout-secs` runs out with a decoupled request in flight, 2.51 crashes in its teardown (signal 11/6 seen)
@@ -43,6 +47,7 @@ from omni_backend.ops.governor import Governor, GovernorConfig
 from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
 from omni_backend.ops.hardware import resolve_device, runtime_versions
 from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
+from omni_backend.vocabulary import ErrorKind, StageError
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +58,15 @@ STOP_MARGIN_S = 3.0  # aborting, the last responses and unloading must fit betwe
 # tens of ms, so rounds are spaced at least this many times their own duration (polling <= 1/5 of the thread).
 CANCEL_POLL_SPACING = 4
 LOOP_STUCK_AFTER_S = 20.0
-QUEUE_FULL_MESSAGE = "waiting queue is full"  # how QueueFull's message starts (serving/errors.py matches it)
+QUEUE_FULL_RETRY_AFTER_S = 1
 
 
-class QueueFull(RuntimeError):
+class QueueFull(StageError):
     """A new request arrived while the service already holds `max_num_seqs + max_queued_requests` requests
-    (Triton UNAVAILABLE; the OpenAI front door answers 429 with Retry-After). Nothing was queued."""
+    (kind QUEUE_FULL: Triton UNAVAILABLE; the OpenAI front door answers 429 with Retry-After). Nothing was queued."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorKind.QUEUE_FULL, message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
 
 
 class ResponseSink(Protocol):
@@ -66,7 +74,7 @@ class ResponseSink(Protocol):
 
     def send(self, output: RequestOutput) -> None: ...
 
-    def fail(self, message: str) -> None: ...
+    def fail(self, error: StageError) -> None: ...
 
     def close(self) -> None:
         """End the stream without a response (the final flag alone), after a cancellation."""
@@ -285,7 +293,7 @@ class LLMService:
                 raise ValueError(f"duplicate request id {request_id}")
             if self.capacity is not None and len(self._sinks) >= self.capacity:
                 self.num_rejected += 1
-                raise QueueFull(f"{QUEUE_FULL_MESSAGE}: the llm stage holds {len(self._sinks)} requests "
+                raise QueueFull(f"waiting queue is full: the llm stage holds {len(self._sinks)} requests "
                                 f"(max_num_seqs {self.engine.config.max_num_seqs} running + max_queued_requests "
                                 f"{self.max_queued_requests} waiting); retry later")
             self._sinks[request_id] = sink
@@ -307,15 +315,15 @@ class LLMService:
                 self.run_once()
             except Exception:  # the loop must outlive any fault, or every request in flight would hang
                 logger.exception("engine loop iteration failed; failing the requests in flight")
-                self._fail_all("engine loop failed (see server log)")
+                self._fail_all(StageError(ErrorKind.INTERNAL, "engine loop failed (see server log)"))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: StageError) -> None:
         for request_id in list(self.engine.requests):
             try:
                 self.engine.abort(request_id)
             except Exception:
                 logger.exception("aborting %s failed", request_id)
-            self._outbox.put((request_id, message))
+            self._outbox.put((request_id, error))
 
     def run_once(self) -> None:
         """One engine-loop iteration: governor, inbox, one engine step (or a wait of up to 0.1 s when idle).
@@ -336,7 +344,7 @@ class LLMService:
             outputs = engine.step()
         except Exception:  # a fault in one step must not take the stage down
             logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all("engine step failed (see server log)")
+            self._fail_all(StageError(ErrorKind.INTERNAL, "engine step failed (see server log)"))
             return
         for output in outputs:
             self._outbox.put((output.request_id, output))
@@ -350,8 +358,10 @@ class LLMService:
             if kind == "add":
                 try:
                     self.engine.add_request(request_id, prompt[0], params, prompt_embeds=prompt[1])
-                except (ValueError, OverflowError) as exc:
-                    self._outbox.put((request_id, str(exc)))
+                except ValueError as exc:
+                    self._outbox.put((request_id, StageError.of(exc, "llm")))
+                except OverflowError as exc:  # the scheduler's own waiting bound (unused by the stage)
+                    self._outbox.put((request_id, StageError(ErrorKind.QUEUE_FULL, str(exc))))
             else:
                 output = self.engine.abort(request_id)
                 if output is not None:
@@ -419,7 +429,7 @@ class LLMService:
         if held:
             logger.warning("aborted %d requests still running at the server's exit timeout", len(held))
 
-    def _take_outbox(self) -> list[tuple[str, RequestOutput | str]]:
+    def _take_outbox(self) -> list[tuple[str, RequestOutput | StageError]]:
         """Everything in the outbox (waiting up to the cancellation poll interval for the first item), with
         each request's consecutive unfinished outputs joined into one delta. A response costs an IPC round
         trip whatever its size, so when sending falls behind the engine (many streams, busy CPU) clients
@@ -433,7 +443,7 @@ class LLMService:
                 items.append(self._outbox.get_nowait())
             except queue.Empty:
                 break
-        joined: list[tuple[str, RequestOutput | str]] = []
+        joined: list[tuple[str, RequestOutput | StageError]] = []
         open_output: dict[str, int] = {}  # request id -> index in `joined` of its unfinished output
         for request_id, item in items:
             index = open_output.pop(request_id, None)
@@ -446,17 +456,18 @@ class LLMService:
                 open_output[request_id] = index
         return joined
 
-    def _deliver(self, request_id: str, item: RequestOutput | str) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | StageError) -> None:
         submitted = None
+        failed = isinstance(item, StageError)
         with self._sinks_lock:
             sink = self._sinks.get(request_id)
-            finished = isinstance(item, str) or item.finished
+            finished = failed or item.finished
             if finished:
                 self._sinks.pop(request_id, None)
                 submitted = self._submitted.pop(request_id, None)
         if sink is not None:
             try:
-                if isinstance(item, str):
+                if failed:
                     sink.fail(item)
                 else:
                     sink.send(item)
@@ -464,7 +475,7 @@ class LLMService:
                 logger.exception("sending a response for %s failed; aborting it", request_id)
                 if not finished:
                     self._end_stream(request_id, sink)
-        if submitted is not None and not isinstance(item, str) and self.metrics is not None:
+        if submitted is not None and not failed and self.metrics is not None:
             self._finished.append(_finished_request(item, submitted, time.monotonic()))
 
     def _poll_cancellations(self) -> None:
@@ -554,7 +565,7 @@ class LLMService:
             self._submitted.clear()
         for sink in sinks.values():
             try:
-                sink.fail("server is shutting down")
+                sink.fail(StageError(ErrorKind.UNAVAILABLE, "server is shutting down"))
             except Exception:
                 logger.exception("failing a request at shutdown")
 

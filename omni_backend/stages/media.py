@@ -70,8 +70,16 @@ class MediaLimits:
 
 
 def _b64decode(data: str, where: str) -> bytes:
+    """Standard base64 (RFC 4648 section 4), whitespace ignored, with or without its trailing `=` padding (many
+    encoders leave it out, RFC 4648 section 3.2).
+
+    Raises:
+        ValueError: characters outside the alphabet, or a length no base64 text can have.
+    """
+    text = "".join(data.split())
+    text += "=" * (-len(text) % 4) if not text.endswith("=") else ""
     try:
-        return base64.b64decode("".join(data.split()), validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{where}: data is not valid base64") from None
 

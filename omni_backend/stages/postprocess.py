@@ -12,8 +12,10 @@ Input tensors (from the llm stage, one request per streamed llm response):
     completion_tokens  INT32  [1]  cumulative
     output_logprobs    STRING [1]  JSON list, one entry per token of this delta:
                                    {"id": int, "logprob": float, "top": [[id, logprob], ...]}; "" when off
+    prompt_token_logprobs STRING [1] optional; the same for every prompt token (the first with logprob null), in a
+                                   request's first response when asked for; "" otherwise
 
-Output tensors: the same names, with `output_logprobs` rewritten to a JSON list of
+Output tensors: the same names, with `output_logprobs` and `prompt_token_logprobs` rewritten to JSON lists of
 `{"token": str, "bytes": [int], "logprob": float, "top_logprobs": [{"token", "bytes", "logprob"}]}`
 ("" when logprobs were not requested).
 """
@@ -28,7 +30,8 @@ import numpy as np
 
 from omni_backend.stages.tensors import one_value, string_tensor
 
-INPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "output_logprobs")
+INPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "output_logprobs",
+               "prompt_token_logprobs")
 OUTPUT_NAMES = INPUT_NAMES
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -92,10 +95,10 @@ class TokenBytes:
                 data = bytes([int(match.group(1), 16)]) if match else piece.replace("▁", " ").encode("utf-8")
         return data.decode("utf-8", errors="replace"), data
 
-    def entry(self, token_id: int, logprob: float) -> dict:
-        """OpenAI-style `{"token", "bytes", "logprob"}` for one token."""
+    def entry(self, token_id: int, logprob: float | None) -> dict:
+        """OpenAI-style `{"token", "bytes", "logprob"}` for one token (logprob None: a prompt's first token)."""
         text, data = self.lookup(int(token_id))
-        return {"token": text, "bytes": list(data), "logprob": float(logprob)}
+        return {"token": text, "bytes": list(data), "logprob": None if logprob is None else float(logprob)}
 
 
 class Postprocessor:
@@ -111,13 +114,13 @@ class Postprocessor:
 
         return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
 
-    def convert_logprobs(self, engine_json: str) -> str:
+    def convert_logprobs(self, engine_json: str, name: str = "output_logprobs") -> str:
         """Engine logprobs JSON (`[{"id", "logprob", "top": [[id, logprob], ...]}]`) -> OpenAI-style JSON.
 
         Returns "" for "" (logprobs not requested).
 
         Raises:
-            ValueError: malformed JSON or entries, or a token id outside the vocabulary.
+            ValueError: malformed JSON or entries, or a token id outside the vocabulary (naming the tensor `name`).
         """
         if not engine_json:
             return ""
@@ -129,7 +132,7 @@ class Postprocessor:
                 entry["top_logprobs"] = [self.token_bytes.entry(i, lp) for i, lp in item.get("top", [])]
                 converted.append(entry)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"output_logprobs is malformed: {exc}") from None
+            raise ValueError(f"{name} is malformed: {exc}") from None
         return json.dumps(converted, ensure_ascii=False)
 
     def run(self, arrays: dict) -> dict[str, np.ndarray]:
@@ -144,7 +147,8 @@ class Postprocessor:
             "finish_reason": string_tensor(one_value(arrays, "finish_reason", str, "")),
             "prompt_tokens": np.asarray([one_value(arrays, "prompt_tokens", int, 0)], dtype=np.int32),
             "completion_tokens": np.asarray([one_value(arrays, "completion_tokens", int, 0)], dtype=np.int32),
-            "output_logprobs": string_tensor(self.convert_logprobs(one_value(arrays, "output_logprobs", str, ""))),
+            **{name: string_tensor(self.convert_logprobs(one_value(arrays, name, str, ""), name))
+               for name in ("output_logprobs", "prompt_token_logprobs")},
         }
 
 

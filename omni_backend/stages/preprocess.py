@@ -1,23 +1,16 @@
 """Preprocess stage: prompt text or chat messages + request settings -> token ids + sampling parameters.
 
-Input tensors (Triton names; all shape [1] except `stop_words` [-1]):
+Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_token_ids` [-1]):
 
     text_input          STRING  plain text prompt, tokenized as it is (the tokenizer's own special-token
                                 rules), or an OpenAI-style messages JSON array (see `parse_messages`) to
                                 which the tokenizer's chat template is applied with a generation prompt
-    max_tokens          INT32   tokens to generate, 1..max_model_len (required)
-    stream              BOOL    send text deltas (default false)
-    temperature         FP32    0 = greedy (default 1.0)
-    top_p, min_p        FP32
-    top_k               INT32
-    random_seed         UINT64  per-request sampling seed
-    stop_words          STRING  stop strings
-    repetition_penalty, presence_penalty, frequency_penalty   FP32
-    ignore_eos          BOOL
-    logprobs            INT32   number of top alternatives per token (absent: no logprobs)
-    prompt_token_ids    INT32 [-1]  a prompt given as token ids (the OpenAI front door's completions with
-                                    token-id prompts); when present it is used as it is and `text_input`
-                                    is ignored (send "")
+    prompt_token_ids    INT32   a prompt given as token ids (the OpenAI front door's completions with
+                                token-id prompts); when present it is used as it is and `text_input`
+                                is ignored (send "")
+    the settings of `omni_backend.vocabulary.SAMPLING_FIELDS` (max_tokens, stream, temperature, top_p, top_k,
+    min_p, random_seed, stop_words, penalties, ignore_eos, logprobs), all optional; ranges are SamplingParams'.
+    An absent `max_tokens` means the rest of the context (max_model_len - prompt tokens).
 
 Output tensors: `input_ids` INT32 [n_prompt_tokens], `sampling_params` STRING [1] (JSON of
 `omni_backend.engine.sampling_params.SamplingParams`), `prompt_text` STRING [1] (the prompt as text: a plain
@@ -34,8 +27,9 @@ STRING [1] (JSON `[{"kind": "image"|"audio", "tokens": int}, ...]` in prompt ord
 [n_placeholders] (prompt positions, in the same order). The caller runs the encoders and hands the llm
 `prompt_embeds` for those positions.
 
-Every bad input raises `ValueError` with a message naming the tensor; the Triton model turns it into an
-INVALID_ARG error response.
+Every bad input raises a `FieldError` naming the tensor (and the path inside a messages array,
+`text_input[0].content[1]`), or a `StageError` of kind CONTEXT_LENGTH_EXCEEDED; the Triton model turns it into an
+INVALID_ARG error response whose message carries the kind and the field (`omni_backend.vocabulary`).
 """
 
 from __future__ import annotations
@@ -45,30 +39,15 @@ import secrets
 
 import numpy as np
 
-from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
+from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, ErrorKind, FieldError, StageError
 
-# Tensor name -> (SamplingParams field, Python type) for the optional per-request settings.
-SAMPLING_INPUTS = {
-    "stream": ("stream", bool),
-    "temperature": ("temperature", float),
-    "top_p": ("top_p", float),
-    "top_k": ("top_k", int),
-    "min_p": ("min_p", float),
-    "random_seed": ("seed", int),
-    "repetition_penalty": ("repetition_penalty", float),
-    "presence_penalty": ("presence_penalty", float),
-    "frequency_penalty": ("frequency_penalty", float),
-    "ignore_eos": ("ignore_eos", bool),
-    "logprobs": ("logprobs", int),
-}
-INPUT_NAMES = ("text_input", "max_tokens", "stop_words", *SAMPLING_INPUTS, "prompt_token_ids")
+INPUT_NAMES = ("text_input", *(f.tensor for f in SAMPLING_FIELDS), "prompt_token_ids")
 OUTPUT_NAMES = ("input_ids", "sampling_params", "prompt_text")
 MEDIA_OUTPUT_NAMES = ("pixel_values", "input_features", "media_parts", "media_positions")
 MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio"}
-_FIELD_TO_TENSOR = {field: name for name, (field, _) in SAMPLING_INPUTS.items() if field != name} | {
-    "stop": "stop_words"
-}
+_PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
 
 
 def parse_messages(text: str) -> list[dict]:
@@ -82,45 +61,43 @@ def parse_chat(text: str, marker: str | None = None) -> tuple[list[dict], list[d
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
     `marker` is given, `image_url` / `input_audio` parts, each written into the content as `marker` and returned
-    (in order) as `{"kind": "image"|"audio", "part": <the part>, "where": "messages[i].content[j] (type)"}`.
+    (in order) as `{"kind": "image"|"audio", "part": <the part>, "field": "text_input[i].content[j]"}`.
 
     Raises:
-        ValueError: not valid JSON, not a non-empty array, or a message of the wrong shape (the message
-            names the offending index).
+        FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
+            offending message or part, e.g. `text_input[0].content`).
     """
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"text_input starts with '[' but is not a valid messages JSON array: {exc.msg} "
-            f"(line {exc.lineno}, column {exc.colno})"
-        ) from None
+        raise FieldError("text_input", f"starts with '[' but is not a valid messages JSON array: {exc.msg} "
+                         f"(line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(value, list) or not value:
-        raise ValueError("text_input messages must be a non-empty JSON array of {role, content} objects")
+        raise FieldError("text_input", "messages must be a non-empty JSON array of {role, content} objects")
     messages, media = [], []
     for index, message in enumerate(value):
-        where = f"text_input messages[{index}]"
+        where = f"text_input[{index}]"
         if not isinstance(message, dict):
-            raise ValueError(f"{where} must be an object with 'role' and 'content'")
+            raise FieldError(where, "must be an object with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"{where}.role must be a non-empty string")
+            raise FieldError(f"{where}.role", "must be a non-empty string")
         if isinstance(content, list):
             texts = []
             for part_index, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if marker is not None and kind in MEDIA_PART_TYPES:
                     media.append({"kind": MEDIA_PART_TYPES[kind], "part": part,
-                                  "where": f"{where}.content[{part_index}] ({kind})"})
+                                  "field": f"{where}.content[{part_index}]"})
                     texts.append(marker)
                     continue
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"{where}.content[{part_index}] must be {{\"type\": \"text\", \"text\": string}}"
+                    raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
                                      + ("" if marker is None else " or an image_url / input_audio part"))
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif not isinstance(content, str):
-            raise ValueError(f"{where}.content must be a string or a list of text parts")
+            raise FieldError(f"{where}.content", "must be a string or a list of text parts")
         messages.append({"role": role, "content": content})
     return messages, media
 
@@ -141,7 +118,7 @@ class MediaConfig:
         """From preprocess config parameters: `vision_model_path` / `audio_model_path` (empty: the default
         encoders; "none": off) and the `MediaLimits` fields."""
         from omni_backend.stages.media import MediaLimits
-        from omni_backend.stages.media_encoder import SPEC_FILE, MediaSpec, encoder_path
+        from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, encoder_path
 
         specs = {}
         for kind, key in (("image", "vision_model_path"), ("audio", "audio_model_path")):
@@ -181,18 +158,18 @@ class Preprocessor:
         """Prompt token ids: chat template for a messages array (text starting with '['), else plain text.
 
         Raises:
-            ValueError: empty prompt, malformed messages, or a template that rejects the messages.
+            FieldError: empty prompt, malformed messages, or a template that rejects the messages.
         """
         if not text:
-            raise ValueError("text_input is empty")
+            raise FieldError("text_input", "is empty")
         if text.lstrip().startswith("["):
             ids, media = self.tokenize_messages(text)
             if media:
-                raise ValueError(f"{media[0]['where']}: use run() for media parts")
+                raise FieldError(media[0]["field"], "is an image or audio part: use run() for media parts")
         else:
             ids = list(self.tokenizer(text).input_ids)
         if not ids:
-            raise ValueError("text_input is empty after tokenization")
+            raise FieldError("text_input", "is empty after tokenization")
         return ids
 
     def tokenize_messages(self, text: str) -> tuple[list[int], list[dict]]:
@@ -205,7 +182,8 @@ class Preprocessor:
         marker = self._marker if self.media is not None else None
         messages, media = parse_chat(text, marker)
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send text_input as plain text")
+            raise FieldError("text_input", "is a messages array, but this model's tokenizer has no chat template: "
+                             "send text_input as plain text")
         if media:
             self._decode_media(media)
         try:
@@ -215,10 +193,10 @@ class Preprocessor:
                 return list(encoded["input_ids"]), []
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
-            raise ValueError(f"the chat template rejected text_input messages: {exc}") from None
+            raise FieldError("text_input", f"messages were rejected by the chat template: {exc}") from None
         pieces = rendered.split(self._marker)
         if len(pieces) != len(media) + 1:
-            raise ValueError("the chat template dropped or repeated a media part")
+            raise FieldError("text_input", "messages: the chat template dropped or repeated a media part")
         ids = []
         for index, piece in enumerate(pieces):
             ids.extend(self.tokenizer(piece, add_special_tokens=False).input_ids if piece else [])
@@ -231,89 +209,121 @@ class Preprocessor:
         return ids, media
 
     def _decode_media(self, media: list[dict]) -> None:
-        """Decode each media part into its encoder input (`array`) and placeholder count (`tokens`)."""
-        from omni_backend.stages import media as decoding
+        """Decode each media part into its encoder input (`array`) and placeholder count (`tokens`).
 
+        Raises:
+            FieldError: naming the part (`text_input[0].content[1]`): too many parts, no encoder for its kind,
+                or media that does not decode or exceeds a limit (`omni_backend.stages.media`).
+        """
         limits = self.media.limits
         if len(media) > limits.max_media_parts:
-            raise ValueError(f"{media[limits.max_media_parts]['where']}: too many image/audio parts "
-                             f"({len(media)}; the limit is {limits.max_media_parts} per request)")
+            raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
+                             f"the limit is {limits.max_media_parts} per request)")
         for item in media:
-            where, part, kind = item["where"], item["part"], item["kind"]
-            spec = self.media.specs.get(kind)
-            if spec is None:
-                raise ValueError(f"{where}: this server has no {kind} encoder")
-            if kind == "image":
-                body = part.get("image_url")
-                url = body.get("url") if isinstance(body, dict) else body
-                if not isinstance(url, str):
-                    raise ValueError(f"{where}: image_url.url must be a string")
-                data = decoding.image_bytes_from_url(url, where, limits)
-                p = spec.processor
-                item["array"] = decoding.decode_image(data, where, limits, p["image_size"], p["mean"], p["std"])
-                item["tokens"] = spec.tokens
-            else:
-                from omni_backend.stages.audio import HOP_LENGTH, log_mel, tokens_for_frames
+            field = item["field"]
+            try:
+                self._decode_part(item)
+            except FieldError:
+                raise
+            except ValueError as exc:  # media.py's messages start with the label it was given
+                raise FieldError(field, str(exc).removeprefix(field + " ")) from None
 
-                body = part.get("input_audio")
-                if not isinstance(body, dict) or not isinstance(body.get("data"), str):
-                    raise ValueError(f"{where}: input_audio.data must be a base64 string")
-                samples = decoding.decode_audio(body["data"], where, limits)
-                p = spec.processor
-                max_samples = p["max_frames"] * HOP_LENGTH
-                samples = samples[:max_samples]
-                item["array"] = log_mel(samples, p["feature_size"], p["max_frames"]).astype(np.float32)
-                frames = min(p["max_frames"], -(-samples.size // HOP_LENGTH))
-                item["tokens"] = tokens_for_frames(frames, spec.pool)
+    def _decode_part(self, item: dict) -> None:
+        from omni_backend.stages import media as decoding
+
+        part, kind, limits = item["part"], item["kind"], self.media.limits
+        label = f"{item['field']} ({part.get('type')})"
+        spec = self.media.specs.get(kind)
+        if spec is None:
+            raise ValueError(f"{label}: this server has no {kind} encoder")
+        if kind == "image":
+            body = part.get("image_url")
+            url = body.get("url") if isinstance(body, dict) else body
+            if not isinstance(url, str):
+                raise ValueError(f"{label}: image_url.url must be a string")
+            data = decoding.image_bytes_from_url(url, label, limits)
+            p = spec.processor
+            item["array"] = decoding.decode_image(data, label, limits, p["image_size"], p["mean"], p["std"])
+            item["tokens"] = spec.tokens
+        else:
+            from omni_backend.stages.audio import HOP_LENGTH, log_mel, tokens_for_frames
+
+            body = part.get("input_audio")
+            if not isinstance(body, dict) or not isinstance(body.get("data"), str):
+                raise ValueError(f"{label}: input_audio.data must be a base64 string")
+            samples = decoding.decode_audio(body["data"], label, limits)
+            p = spec.processor
+            samples = samples[:p["max_frames"] * HOP_LENGTH]
+            item["array"] = log_mel(samples, p["feature_size"], p["max_frames"]).astype(np.float32)
+            frames = min(p["max_frames"], -(-samples.size // HOP_LENGTH))
+            item["tokens"] = tokens_for_frames(frames, spec.pool)
 
     def check_token_ids(self, array) -> list[int]:
         """A prompt given as token ids, checked against the vocabulary.
 
         Raises:
-            ValueError: no ids, or an id outside the vocabulary (the message names its position).
+            FieldError: no ids, or an id outside the vocabulary (the field names its position).
         """
         ids = [int(i) for i in np.asarray(array).reshape(-1)]
         if not ids:
-            raise ValueError("prompt_token_ids is empty")
+            raise FieldError("prompt_token_ids", "is empty")
         vocab_size = len(self.tokenizer)
         for index, token_id in enumerate(ids):
             if not 0 <= token_id < vocab_size:
-                raise ValueError(f"prompt_token_ids[{index}] = {token_id} is not a token id "
+                raise FieldError(f"prompt_token_ids[{index}]", f"= {token_id} is not a token id "
                                  f"(vocabulary size {vocab_size})")
         return ids
 
-    def sampling_params(self, arrays: dict) -> SamplingParams:
-        """Validated sampling parameters from the request's tensors (see module docstring).
+    def settings(self, arrays: dict) -> dict:
+        """The request's settings by SamplingParams attribute (absent ones None), read from their tensors
+        (`SAMPLING_FIELDS`); `max_tokens` is also checked against max_model_len here, before tokenizing.
 
         Raises:
-            ValueError: missing or out-of-range `max_tokens`, or any invalid setting (named by tensor).
+            FieldError: a tensor of the wrong shape or encoding, or max_tokens above max_model_len.
         """
-        max_tokens = one_value(arrays, "max_tokens", int)
-        if max_tokens is None:
-            raise ValueError("max_tokens is required")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        if max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens must be at most {self.max_model_len} (max_model_len), got {max_tokens}")
-        values = {"max_tokens": max_tokens, "stop": text_list(arrays, "stop_words")}
-        for name, (field, kind) in SAMPLING_INPUTS.items():
-            values[field] = one_value(arrays, name, kind)
+        values = {}
+        for field in SAMPLING_FIELDS:
+            if field.datatype == "BYTES":
+                values[field.param] = text_list(arrays, field.tensor)
+            else:
+                values[field.param] = one_value(arrays, field.tensor, _PYTHON_TYPES[field.datatype])
+        max_tokens = values["max_tokens"]
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            raise FieldError("max_tokens", f"must be at most {self.max_model_len} (max_model_len), got {max_tokens}")
+        return values
+
+    def sampling_params(self, settings: dict, prompt_tokens: int) -> SamplingParams:
+        """Validated sampling parameters of a prompt of `prompt_tokens` tokens; an absent max_tokens is the rest
+        of the context.
+
+        Raises:
+            FieldError: an invalid setting, named by its tensor (ranges: SamplingParams).
+            StageError: CONTEXT_LENGTH_EXCEEDED when the prompt and the completion do not fit max_model_len.
+        """
+        max_tokens = settings["max_tokens"]
+        room = self.max_model_len - prompt_tokens
+        if (max_tokens if max_tokens is not None else 1) > room:
+            requested = prompt_tokens + (max_tokens if max_tokens is not None else 1)
+            completion = max_tokens if max_tokens is not None else "at least 1"
+            raise StageError(ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+                             f"maximum context length is {self.max_model_len} tokens, you requested {requested} "
+                             f"tokens ({prompt_tokens} in the prompt, {completion} for the completion)")
         try:
-            return SamplingParams.from_dict(values)
-        except ValueError as exc:
-            raise ValueError(_tensor_names(str(exc))) from None
+            return SamplingParams.from_dict({**settings, "max_tokens": room if max_tokens is None else max_tokens})
+        except InvalidSamplingParam as exc:
+            raise FieldError(BY_PARAM[exc.field].tensor, exc.problem) from None
 
     def run(self, arrays: dict) -> dict[str, np.ndarray]:
         """One request: input arrays by tensor name -> {"input_ids": int32 [n], "sampling_params": object [1],
-        "prompt_text": object [1]}.
+        "prompt_text": object [1]} (and the media outputs when encoders are configured).
 
         Raises:
-            ValueError: any bad input; the message names the tensor and the problem.
+            FieldError, StageError: any bad input; the message names the tensor and the problem.
         """
         text = one_value(arrays, "text_input", str)
         if text is None:
-            raise ValueError("text_input is required")
-        params = self.sampling_params(arrays)
+            raise FieldError("text_input", "is required")
+        settings = self.settings(arrays)
         media = []
         if arrays.get("prompt_token_ids") is not None:
             ids = self.check_token_ids(arrays["prompt_token_ids"])
@@ -321,17 +331,12 @@ class Preprocessor:
         elif text and text.lstrip().startswith("["):
             ids, media = self.tokenize_messages(text)
             if not ids:
-                raise ValueError("text_input is empty after tokenization")
+                raise FieldError("text_input", "is empty after tokenization")
             prompt_text = self.tokenizer.decode(ids)
         else:
             ids = self.tokenize(text)
-            prompt_text = self.tokenizer.decode(ids) if text.lstrip().startswith("[") else text
-        requested = len(ids) + params.max_tokens
-        if requested > self.max_model_len:
-            raise ValueError(
-                f"maximum context length is {self.max_model_len} tokens, you requested {requested} tokens "
-                f"({len(ids)} in the prompt, {params.max_tokens} for the completion)"
-            )
+            prompt_text = text
+        params = self.sampling_params(settings, len(ids))
         outputs = {
             "input_ids": np.asarray(ids, dtype=np.int32),
             "sampling_params": string_tensor(params.to_json()),
@@ -371,11 +376,3 @@ def media_outputs(media: list[dict], specs: dict) -> dict[str, np.ndarray]:
     if audio:
         outputs["input_features"] = np.stack(audio).astype(np.float32)
     return outputs
-
-
-def _tensor_names(message: str) -> str:
-    """Rewrite a SamplingParams error that starts with a field name to use the tensor's name."""
-    for field, tensor in _FIELD_TO_TENSOR.items():
-        if message.startswith(field + " "):
-            return tensor + message[len(field):]
-    return message

@@ -1,12 +1,15 @@
 """Turning Triton input arrays into Python values, with errors that name the tensor.
 
 Triton hands a Python-backend model numpy arrays: STRING/BYTES tensors as object arrays of `bytes`, numeric
-ones as arrays of their dtype. Per-request settings are shape [1] tensors.
+ones as arrays of their dtype. Per-request settings are shape [1] tensors. Errors leave a stage as
+`pb_utils.TritonError`s whose message carries the error kind's header (`omni_backend.vocabulary.StageError`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from omni_backend.vocabulary import FieldError, StageError
 
 
 def one_value(arrays: dict, name: str, kind: type, default=None):
@@ -18,14 +21,14 @@ def one_value(arrays: dict, name: str, kind: type, default=None):
         kind: Python type wanted; `str` decodes bytes as UTF-8.
 
     Raises:
-        ValueError: the tensor holds more or fewer than one value, or str bytes are not UTF-8.
+        FieldError: the tensor holds more or fewer than one value, or str bytes are not UTF-8.
     """
     array = arrays.get(name)
     if array is None:
         return default
     flat = np.asarray(array).reshape(-1)
     if flat.size != 1:
-        raise ValueError(f"{name} must hold exactly one value, got {flat.size}")
+        raise FieldError(name, f"must hold exactly one value, got {flat.size}")
     value = flat[0]
     if kind is str:
         return as_text(value, name)
@@ -33,7 +36,7 @@ def one_value(arrays: dict, name: str, kind: type, default=None):
         return bool(value)
     if kind is int:
         if isinstance(value, (float, np.floating)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise FieldError(name, f"must be an integer, got {value!r}")
         return int(value)
     return kind(value)
 
@@ -42,7 +45,7 @@ def text_list(arrays: dict, name: str) -> list[str] | None:
     """All values of the STRING tensor `name` as UTF-8 decoded strings, or None when absent.
 
     Raises:
-        ValueError: a value is not valid UTF-8.
+        FieldError: a value is not valid UTF-8.
     """
     array = arrays.get(name)
     if array is None:
@@ -54,7 +57,7 @@ def as_text(value, name: str) -> str:
     """Decode one STRING tensor element (bytes, or str when called from Python) strictly as UTF-8.
 
     Raises:
-        ValueError: invalid UTF-8, naming the tensor and the first bad byte's position.
+        FieldError: invalid UTF-8, naming the tensor and the first bad byte's position.
     """
     if isinstance(value, str):
         return value
@@ -62,10 +65,10 @@ def as_text(value, name: str) -> str:
         try:
             return bytes(value).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(
-                f"{name} is not valid UTF-8 (byte 0x{bytes(value)[exc.start]:02x} at offset {exc.start})"
+            raise FieldError(
+                name, f"is not valid UTF-8 (byte 0x{bytes(value)[exc.start]:02x} at offset {exc.start})"
             ) from None
-    raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    raise FieldError(name, f"must be a string, got {type(value).__name__}")
 
 
 def string_tensor(*values: str) -> np.ndarray:
@@ -87,20 +90,23 @@ def request_arrays(pb_utils, request, names) -> dict:
     return arrays
 
 
+def triton_error(pb_utils, exc: BaseException, stage: str):
+    """The `pb_utils.TritonError` a stage answers `exc` with: the Triton code of its kind and the message with
+    the kind's header (`StageError.of`: ValueError -> INVALID_ARG naming a FieldError's field, StageError -> its
+    own kind, anything else -> INTERNAL "<stage> failed: ...")."""
+    error = StageError.of(exc, stage)
+    return pb_utils.TritonError(error.wire(), getattr(pb_utils.TritonError, error.kind.triton_code))
+
+
 def respond_each(pb_utils, requests, names, run, stage: str) -> list:
-    """One InferenceResponse per request: `run(arrays) -> {name: array}`; ValueError -> INVALID_ARG, any other
-    exception -> INTERNAL naming `stage` (one bad request never takes the stub down)."""
+    """One InferenceResponse per request: `run(arrays) -> {name: array}`; an exception becomes that request's
+    error (`triton_error`), so one bad request never takes the stub down."""
     responses = []
     for request in requests:
         try:
             outputs = run(request_arrays(pb_utils, request, names))
-        except ValueError as exc:
-            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-            responses.append(pb_utils.InferenceResponse(error=error))
-            continue
         except Exception as exc:
-            error = pb_utils.TritonError(f"{stage} failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
-            responses.append(pb_utils.InferenceResponse(error=error))
+            responses.append(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, stage)))
             continue
         responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
     return responses

@@ -50,8 +50,10 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from omni_backend.stages.tensors import one_value, string_tensor
+from omni_backend.stages.tts_input import speech_text, unspeakable_reason
 from omni_backend.stages.tts_options import DEFAULT_VOICE, SpeechOptions
 from omni_backend.stages.tts_text import SentenceChunker
+from omni_backend.vocabulary import FieldError
 
 INPUT_NAMES = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "options")
 OUTPUT_NAMES = ("text_output", "audio", "sample_rate", "chunk_index", "finish_reason", "prompt_tokens",
@@ -154,28 +156,35 @@ class SpeechStage:
         Returns:
             (options, chunks) where each chunk is a dict of text, index, finish_reason and token counts.
 
+        A self-contained request's text must be speakable (`tts_input.unspeakable_reason`); a stream's deltas are
+        the LLM's, and a phrase of them with nothing to speak answers with no samples.
+
         Raises:
-            ValueError: bad tensors or options; the message names the tensor.
+            FieldError: bad tensors or options, naming the tensor (`text`) or the option (`options.voice`).
         """
         text = one_value(arrays, "text", str)
         if text is None:
-            raise ValueError("text is required")
+            raise FieldError("text", "is required")
         finish_reason = one_value(arrays, "finish_reason", str, "")
         counts = {"prompt_tokens": one_value(arrays, "prompt_tokens", int, 0),
                   "completion_tokens": one_value(arrays, "completion_tokens", int, 0)}
         try:
             options = SpeechOptions.from_json(one_value(arrays, "options", str, ""))
-        except ValueError as exc:
-            raise ValueError(f"options: {exc}") from None
+        except FieldError as exc:
+            raise FieldError(f"options.{exc.field}", exc.problem) from None
         if options.voice not in self.synthesizer.voices:
-            raise ValueError(f"options: voice '{options.voice}' is not installed; installed: "
+            raise FieldError("options.voice", f"'{options.voice}' is not installed; installed: "
                              f"{', '.join(self.synthesizer.voices)}")
 
         if not options.stream:  # self-contained: the whole text now
             if not text.strip():
-                raise ValueError("text must not be empty")
+                raise FieldError("text", "must not be empty")
             if len(text) > self.max_text_chars:
-                raise ValueError(f"text is {len(text)} characters; the limit is {self.max_text_chars}")
+                raise FieldError("text", f"is {len(text)} characters; the limit is {self.max_text_chars}")
+            reason = unspeakable_reason(text)
+            if reason is not None:
+                raise FieldError("text", reason)
+            text = speech_text(text)
             # The whole text is here: cut at sentence ends, and the first phrase also at a clause boundary
             # (",", ";", ":") so audio starts early, but never mid-clause (that would break its prosody).
             chunker = self.make_chunker(first_min_words=3, first_max_words=10**6)
@@ -238,7 +247,7 @@ class ChunkSink(Protocol):
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
 
-    def fail(self, message: str) -> None: ...
+    def fail(self, error: BaseException) -> None: ...
 
     def is_cancelled(self) -> bool: ...
 
@@ -299,7 +308,7 @@ class SpeechWorker:
             except Exception as exc:  # one request fails, the worker goes on
                 job["dead"] = True
                 try:
-                    job["sink"].fail(f"tts failed: {type(exc).__name__}: {exc}")
+                    job["sink"].fail(exc)
                 except Exception:  # noqa: BLE001 - the request is gone
                     pass
 

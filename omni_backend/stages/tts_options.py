@@ -15,6 +15,8 @@ import json
 import uuid
 from dataclasses import asdict, dataclass
 
+from omni_backend.vocabulary import FieldError
+
 DEFAULT_VOICE = "joe"
 # OpenAI's built-in voice names, served by the default voice until more voices are installed.
 OPENAI_VOICE_ALIASES = (
@@ -35,27 +37,27 @@ def resolve_voice(name: str | None, installed: tuple[str, ...] = (DEFAULT_VOICE,
     """The installed voice that serves `name` (an installed voice, or an OpenAI alias of the default).
 
     Raises:
-        ValueError: empty, or not a known voice (the message lists the names accepted).
+        FieldError: empty, or not a known voice (the message lists the names accepted).
     """
     if name is None or not str(name).strip():
-        raise ValueError("voice must not be empty")
+        raise FieldError("voice", "must not be empty")
     key = str(name).strip().lower()
     if key in installed:
         return key
     if key in OPENAI_VOICE_ALIASES:
         return installed[0]
-    raise ValueError(f"voice '{name}' is not available; voices: {', '.join(voice_names(installed))}")
+    raise FieldError("voice", f"'{name}' is not available; voices: {', '.join(voice_names(installed))}")
 
 
 def check_format(name: str | None, available: tuple[str, ...] = AUDIO_FORMATS) -> str:
     """Normalized audio format name.
 
     Raises:
-        ValueError: not one of `available` (the message names the format and lists the supported ones).
+        FieldError: not one of `available` (the message names the format and lists the supported ones).
     """
     key = (name or DEFAULT_FORMAT).strip().lower()
     if key not in available:
-        raise ValueError(f"audio_format '{name}' is not supported; supported: {', '.join(available)}")
+        raise FieldError("audio_format", f"'{name}' is not supported; supported: {', '.join(available)}")
     return key
 
 
@@ -63,14 +65,14 @@ def check_speed(value: float | None) -> float:
     """Speed factor (1.0 normal).
 
     Raises:
-        ValueError: outside 0.25..4.0 or not a finite number.
+        FieldError: outside 0.25..4.0 or not a finite number.
     """
     try:
         speed = 1.0 if value is None else float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"speed must be a number, got {value!r}") from None
+        raise FieldError("speed", f"must be a number, got {value!r}") from None
     if not MIN_SPEED <= speed <= MAX_SPEED:  # also rejects NaN
-        raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {value}")
+        raise FieldError("speed", f"must be between {MIN_SPEED} and {MAX_SPEED}, got {value}")
     return speed
 
 

@@ -3,7 +3,7 @@
 A transformers SigLIP vision tower, 2x2 average pooling of its patch grid (196 patches of a 224x224 image ->
 49 tokens), and a linear projector to the LLM hidden size. The checkpoint folder holds `config.json` (the
 tower's `SiglipVisionConfig`), `model.safetensors` (tower + projector) and `omni_media.json` (see
-`omni_backend.stages.media_encoder.MediaSpec`).
+`omni_backend.stages.media_spec.MediaSpec`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from omni_backend.stages.media_encoder import MediaSpec
+from omni_backend.stages.media_spec import MediaSpec
 
 
 class VisionEncoder(nn.Module):

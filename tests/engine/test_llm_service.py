@@ -14,6 +14,7 @@ from omni_backend.stages.llm import (LOOP_STUCK_AFTER_S, LLMService, QueueFull,
                                      build_engine_on_a_passing_thread,
                                      engine_config_from_parameters, instance_device,
                                      max_queued_requests_from_parameters, parent_server_probe, tritonserver_flags)
+from omni_backend.vocabulary import ErrorKind, StageError
 
 
 @pytest.fixture()
@@ -184,6 +185,40 @@ def test_the_engine_loop_survives_a_failing_iteration(service, monkeypatch):
     service.submit("after-fault", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), sink)
     assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 2
     assert calls["n"] > 1
+
+
+@pytest.mark.parametrize("where", ["step", "loop"])
+def test_a_failing_step_or_loop_fails_the_requests_in_flight_as_internal(service, monkeypatch, where):
+    """A fault is the server's (kind INTERNAL: 500 at the front door), whether the engine step or the loop around
+    it failed; an engine-loop failure used to reach clients as INVALID_ARG, a 400."""
+    sink = ListSink()
+    if where == "step":
+        real_step = service.engine.step
+        calls = {"n": 0}
+
+        def failing_step():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected step fault")
+            return real_step()
+
+        monkeypatch.setattr(service.engine, "step", failing_step)
+    else:
+        real_run_once = service.run_once
+
+        def failing_iteration():
+            real_run_once()
+            if service.engine.has_unfinished() and not failing_iteration.done:
+                failing_iteration.done = True
+                raise RuntimeError("injected loop fault")
+
+        failing_iteration.done = False
+        monkeypatch.setattr(service, "run_once", failing_iteration)
+    service.submit(f"fails-in-{where}", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), sink)
+    assert sink.done.wait(10) and len(sink.errors) == 1
+    error = sink.errors[0]
+    assert (error.kind, error.message) == (ErrorKind.INTERNAL, f"engine {where} failed (see server log)")
+    assert StageError.parse(error.wire()).kind is ErrorKind.INTERNAL
 
 
 def test_a_full_queue_refuses_at_once_and_every_accepted_request_completes(tiny_qwen2_path):

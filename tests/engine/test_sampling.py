@@ -198,6 +198,30 @@ def test_stop_strings_cut_at_the_earliest_match(stops, text, expected):
     assert not any(stop in released for stop in stops)
 
 
+def test_prompt_logprobs_score_each_prompt_token_like_a_sampled_one(engine, smollm2_path):
+    """prompt_logprobs: one entry per prompt token, the first without a logprob; the last prompt token's logprob
+    equals the logprob the engine reports when it samples that same token after the same prefix, and a prefill
+    cut into chunks of 7 tokens gives the same values."""
+    prefix = _chat(engine, "Name a fruit.")
+    greedy = engine.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, logprobs=0))[0]
+    prompt = prefix + greedy.token_ids
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    entries = out.prompt_logprobs
+    assert [e.token_id for e in entries] == prompt
+    assert entries[0].logprob is None and entries[0].top == []
+    assert all(e.logprob <= 0 and len(e.top) == 2 for e in entries[1:])
+    assert entries[-1].logprob == pytest.approx(greedy.logprobs[0].logprob, abs=1e-4)
+    assert entries[-1].top[0][0] == prompt[-1]  # the greedy token is its own top alternative
+    chunked = LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", kv_cache_bytes=16 << 20,
+                                     max_model_len=512, max_num_seqs=4, max_num_batched_tokens=7))
+    again = chunked.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    assert [e.token_id for e in again.prompt_logprobs] == prompt
+    assert [e.logprob for e in again.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in entries[1:]],
+                                                                           abs=1e-4)
+    plain = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert plain.prompt_logprobs is None
+
+
 # ---- the sampler on the logits' device against the pre-#14 reference (tests/engine/sampler_reference.py) ----
 
 QUESTIONS = [

@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
-from chat_client import free_ports
 
 from omni_backend import repository
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.ports import free_ports
+from omni_backend.launch.tritonserver import TritonServer
 
 MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "audio_encoder", "media_embed",
           "omni_chat_mm"]

@@ -13,7 +13,7 @@ from media_inputs import audio_bytes, audio_part, image_bytes, image_part, speec
 from omni_backend import paths
 from omni_backend.stages import media
 from omni_backend.stages.media import MediaLimits
-from omni_backend.stages.media_encoder import MediaSpec
+from omni_backend.stages.media_spec import MediaSpec
 from omni_backend.stages.preprocess import MediaConfig, Preprocessor
 
 SMOLLM2 = paths.models_dir() / "SmolLM2-135M-Instruct"
@@ -100,7 +100,7 @@ NOT_AUDIO = base64.b64encode(b"This is a text file, not audio.\n" * 20).decode()
 def test_bad_media_is_a_value_error_naming_the_part(preprocessor, part, fragment):
     with pytest.raises(ValueError) as excinfo:
         preprocessor.run(chat(part))
-    assert "messages[0].content[1]" in str(excinfo.value) and fragment in str(excinfo.value)
+    assert excinfo.value.field == "text_input[0].content[1]" and fragment in str(excinfo.value)
 
 
 def test_limits_on_bytes_pixels_and_parts():

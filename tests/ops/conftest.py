@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from chat_client import free_ports
 
 from omni_backend import paths, repository
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.ports import free_ports
+from omni_backend.launch.tritonserver import TritonServer
 
 FAKE_GPU = {"power_w": 120, "temperature_c": 50, "power_limit_w": 300, "slowdown_temp_c": 90, "sm_clock_mhz": 1755}
 

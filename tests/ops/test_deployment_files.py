@@ -22,13 +22,15 @@ def test_entrypoint_renders_the_selected_models_and_runs_tritonserver_on_them(tm
     (fake_bin / "tritonserver").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake_bin}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "OMNI_CACHE_DIR": str(tmp_path / "cache"), "OMNI_MODELS": "preprocess,llm,postprocess,omni_chat",
-           "OMNI_GRPC_PORT": "9101"}
+           "OMNI_GRPC_PORT": "9101", "OMNI_ADMIN_KEY": "k3y"}
     run = subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), "--log-verbose=1"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     repo = tmp_path / "cache" / "model_repository"
     assert sorted(p.name for p in repo.iterdir()) == ["llm", "omni_chat", "postprocess", "preprocess"]
     assert f"--model-repository={repo} --http-port=8000 --grpc-port=9101 --metrics-port=8002" in run.stdout
+    restricted = "model-repository,logging,trace,shared-memory:omni-admin-key=k3y"
+    assert f"--http-restricted-api={restricted} --grpc-restricted-protocol={restricted}" in run.stdout
     assert run.stdout.rstrip().endswith("--log-verbose=1")
 
 

@@ -9,7 +9,7 @@ import sys
 
 from omni_backend import paths
 from omni_backend.ops.memory_env import memory_environment
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.tritonserver import TritonServer
 
 
 def test_docker_image_sets_the_same_values():

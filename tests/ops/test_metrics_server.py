@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 from chat_client import chat_messages, http_generate, stream_infer
 
-from omni_backend.ops.metrics import admitting, parse_metrics, retry_after_s
+from omni_backend.ops.metrics import admitting, parse_metrics
+from omni_backend.vocabulary import ErrorKind, StageError
 from omni_backend.ops.ready import check
 
 pytestmark = pytest.mark.server
@@ -161,12 +162,14 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
         assert long.is_alive()  # still running while new requests are refused
 
         # The stage answers UNAVAILABLE; Triton 2.51 hands clients of a decoupled model only the message
-        # (/generate answers 400, seen here; a later Triton's 503 is accepted too), which the front door turns
-        # into 503 + Retry-After.
+        # (/generate answers 400, seen here; a later Triton's 503 is accepted too), whose header carries the
+        # kind and the wait, which the front door turns into 503 + Retry-After.
         status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4})
-        assert status in (400, 503) and retry_after_s(body["error"]) == 10, (status, body)
+        refusal = StageError.parse(body["error"])
+        assert status in (400, 503) and (refusal.kind, refusal.retry_after_s) == (ErrorKind.NOT_ADMITTING, 10), body
         refused = stream_infer(server.grpc_url, {"text_input": "Hello", "max_tokens": 4, "stream": True})
-        assert refused.error is not None and retry_after_s(refused.error) == 10, refused.error
+        refusal = StageError.parse(refused.error)
+        assert (refusal.kind, refusal.retry_after_s) == (ErrorKind.NOT_ADMITTING, 10), refused.error
 
         long.join(180)
         finished = long_result["r"]

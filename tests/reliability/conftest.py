@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chat_client import free_ports
 
 from omni_backend import repository
-from omni_backend.triton_server import TritonServer
+from omni_backend.launch.ports import free_ports
+from omni_backend.launch.tritonserver import TritonServer
 
 CHAT_MODELS = ["preprocess", "llm", "postprocess", "omni_chat"]
 _HERE = Path(__file__).parent

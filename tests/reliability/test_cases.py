@@ -26,6 +26,7 @@ case -> test
        (kills the llm stub of a server of its own; Triton 2.51 does not restart it, so there the request after
        the case must fail fast with a 503 instead of succeeding)
   c20  test_c20_http_infer_on_a_decoupled_model, test_c20_generate_returns_only_generated_text
+  c21-c29  tests/reliability/test_cases_second_batch.py
 """
 
 import asyncio
@@ -80,7 +81,9 @@ def test_c01_max_tokens_zero_with_echo_and_logprobs(api):
     choice = body["choices"][0]
     assert choice["text"] == "Answer: yes" and choice["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] > 0
-    assert choice["logprobs"]["tokens"] == []  # prompt logprobs are not produced
+    logprobs = choice["logprobs"]  # the prompt's own (c29): one per prompt token, the first without one
+    assert "".join(logprobs["tokens"]) == "Answer: yes" and len(logprobs["tokens"]) == body["usage"]["prompt_tokens"]
+    assert logprobs["token_logprobs"][0] is None and all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
 
 
 def test_c02_max_tokens_zero_is_handled_per_request(api, front_door):

@@ -1,9 +1,12 @@
 """Fuzzing the front door with hypothesis: generated OpenAI request bodies never get a 500 or a hang.
 
 Bodies for /v1/chat/completions, /v1/completions, /v1/audio/speech and /v1/images/generations are all valid
-(half of them, so real generations run with odd but legal settings and unicode), have one bad field, or are
-mostly junk: wrong types, out-of-range, huge and negative numbers, NaN/Infinity, unicode, nested junk, missing
-and unknown fields. Raw bodies add non-JSON bytes, odd content types and deeply nested JSON. For every answer:
+(half of them, so real generations run with odd but legal settings, unicode and `null` for the fields OpenAI
+marks nullable), have one bad field, or are mostly junk: wrong types (strings where numbers or booleans belong),
+out-of-range, huge and negative numbers, NaN/Infinity, unicode, nested junk, missing and unknown fields. Raw
+bodies add non-JSON bytes, odd content types, deeply nested JSON and content codings (gzip, deflate, mislabelled,
+unknown); Triton's `/v2/models/omni_chat/generate` through the front door gets bodies of every input with values
+of the wrong type or range. For every answer:
 
 - the status is below 500 (a 500 is a fault; 503 would mean the stack fell over),
 - it comes within CLIENT_TIMEOUT_S (else the request hung),
@@ -18,9 +21,11 @@ greedy chat request must give its exact answer (`followed_by_a_normal_request`, 
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import math
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -60,7 +65,8 @@ JUNK = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3)
 
 def _small(limit: float):
     """A predicate: the value cannot be read as a number above `limit` (nor is it null, which means 'default'
-    for the generation lengths). Pydantic reads "300" and 300.0 as ints, so strings and floats count too."""
+    for the generation lengths). Types are strict ("300" and 300.0 are no integers), but junk is kept away from
+    anything a future lenient reading could turn into a long generation."""
 
     def check(value) -> bool:
         if value is None:
@@ -119,22 +125,31 @@ def text(min_size: int = 1, max_size: int = 30):
 
 NAN_FREE = {"allow_nan": False, "allow_infinity": False}
 MODEL_FIELD = field(st.just(MODEL), st.just("does-not-exist"))
+WRONG_TYPES = st.sampled_from(["yes", "1", "0.5", "true", 1, 0, 1.0, [], {}])
+
+
+def nullable(strategy):
+    """A valid value of a field OpenAI marks nullable: `strategy`'s, or null (the default)."""
+    return st.one_of(st.none(), strategy)
+
+
 SAMPLING = {
-    "temperature": field(st.floats(0, 2), st.floats(2.01, 1e6), st.floats(max_value=-0.01, **NAN_FREE)),
-    "top_p": field(st.floats(0.01, 1), st.just(0), st.floats(1.01, 1e6)),
-    "top_k": field(st.integers(-1, 50), st.integers(max_value=-2), st.integers(min_value=2**31)),
-    "min_p": field(st.floats(0, 1), st.floats(1.01, 1e6)),
-    "seed": field(st.integers(0, 2**63 - 1), st.integers(max_value=-1), st.integers(min_value=2**63)),
-    "stream": field(st.booleans()),
-    "stop": field(st.one_of(text(1, 5), st.lists(text(1, 5), max_size=3)), st.just(""), st.just([""])),
-    "presence_penalty": field(st.floats(-2, 2), st.floats(2.01, 1e9)),
-    "frequency_penalty": field(st.floats(-2, 2), st.floats(max_value=-2.01, **NAN_FREE)),
-    "repetition_penalty": field(st.floats(0.5, 2), st.floats(max_value=0, **NAN_FREE)),
-    "n": field(st.integers(1, 2), st.integers(max_value=0), st.integers(129, 10**6), limit=2),
-    "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
-    "ignore_eos": field(st.booleans()),
-    "user": field(text(0, 10)),
-    "logit_bias": field(st.just({}), st.dictionaries(text(1, 3), st.floats(-100, 100), min_size=1, max_size=2)),
+    "temperature": field(nullable(st.floats(0, 2)), st.floats(2.01, 1e6), st.floats(max_value=-0.01, **NAN_FREE)),
+    "top_p": field(nullable(st.floats(0.01, 1)), st.just(0), st.floats(1.01, 1e6)),
+    "top_k": field(nullable(st.integers(-1, 50)), st.integers(max_value=-2), st.integers(min_value=2**31)),
+    "min_p": field(nullable(st.floats(0, 1)), st.floats(1.01, 1e6)),
+    "seed": field(nullable(st.integers(0, 2**63 - 1)), st.integers(max_value=-1), st.integers(min_value=2**63)),
+    "stream": field(nullable(st.booleans()), WRONG_TYPES),
+    "stop": field(nullable(st.one_of(text(1, 5), st.lists(text(1, 5), max_size=3))), st.just(""), st.just([""])),
+    "presence_penalty": field(nullable(st.floats(-2, 2)), st.floats(2.01, 1e9)),
+    "frequency_penalty": field(nullable(st.floats(-2, 2)), st.floats(max_value=-2.01, **NAN_FREE)),
+    "repetition_penalty": field(nullable(st.floats(0.5, 2)), st.floats(max_value=0, **NAN_FREE)),
+    "n": field(nullable(st.integers(1, 2)), st.integers(max_value=0), st.integers(129, 10**6), limit=2),
+    "stream_options": field(nullable(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}))),
+    "ignore_eos": field(st.booleans(), WRONG_TYPES),
+    "user": field(nullable(text(0, 10))),
+    "logit_bias": field(nullable(st.just({})), st.dictionaries(text(1, 3), st.floats(-100, 100), min_size=1,
+                                                                max_size=2)),
 }
 MEDIA_PARTS = st.one_of(
     st.builds(lambda url: {"type": "image_url", "image_url": {"url": url}},
@@ -161,8 +176,8 @@ CHAT = bodies(
     {"model": MODEL_FIELD, "messages": field(st.lists(MESSAGE, min_size=1, max_size=3), st.just([]),
                                              st.lists(BAD_MESSAGE, min_size=1, max_size=2)),
      "max_tokens": MAX_TOKENS},
-    {**SAMPLING, "max_completion_tokens": MAX_TOKENS, "logprobs": field(st.booleans()),
-     "top_logprobs": field(st.integers(0, 3), st.integers(21, 10**6), st.integers(max_value=-1)),
+    {**SAMPLING, "max_completion_tokens": MAX_TOKENS, "logprobs": field(nullable(st.booleans()), WRONG_TYPES),
+     "top_logprobs": field(nullable(st.integers(0, 3)), st.integers(21, 10**6), st.integers(max_value=-1)),
      "tools": field(st.just([]), st.lists(JUNK, min_size=1, max_size=2)),
      "tool_choice": field(st.sampled_from([None, "none", "auto"]), st.just("required")),
      "response_format": field(st.just({"type": "text"}), st.just({"type": "json_object"})),
@@ -178,8 +193,8 @@ COMPLETION = bodies(
                                st.lists(TOKEN_IDS, min_size=1, max_size=2)),
                      st.sampled_from(["", [], [[]], [""]]), st.lists(st.integers(49152, 2**40), min_size=1, max_size=2),
                      st.lists(st.integers(max_value=-1), min_size=1, max_size=2))},
-    {**SAMPLING, "echo": field(st.booleans()),
-     "logprobs": field(st.integers(0, 5), st.integers(6, 10**6), st.integers(max_value=-1)),
+    {**SAMPLING, "echo": field(nullable(st.booleans()), WRONG_TYPES),
+     "logprobs": field(nullable(st.integers(0, 5)), st.integers(6, 10**6), st.integers(max_value=-1)),
      "best_of": field(st.none(), st.integers(2, 5)), "suffix": field(st.sampled_from([None, ""]), text(1, 5))})
 SPEECH = bodies(
     {"model": field(st.sampled_from([MODEL, "tts-1"]), st.just("does-not-exist")),
@@ -203,9 +218,10 @@ IMAGES = bodies(
 # Sending and checking
 
 
-def send(url: str, data: bytes, content_type: str | None) -> requests.Response:
+def send(url: str, data: bytes, content_type: str | None, **extra_headers) -> requests.Response:
     """POST raw bytes; a request that takes longer than CLIENT_TIMEOUT_S fails the test as a hang."""
     headers = {} if content_type is None else {"Content-Type": content_type}
+    headers.update(extra_headers)
     try:
         return requests.post(url, data=data, headers=headers, timeout=CLIENT_TIMEOUT_S)
     except requests.Timeout:
@@ -325,3 +341,52 @@ PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/audio/s
          content_type="application/json")
 def test_raw_bodies_and_content_types_fuzz(front_door, path, data, content_type):
     check_answer(send(front_door.url + path, data, content_type), path, data)
+
+
+CODINGS = st.sampled_from(["gzip", "deflate", "identity", "br", "gzip, deflate", "", "GZIP", "x-gzip"])
+ENCODERS = {"gzip": gzip.compress, "deflate": zlib.compress, "raw": lambda d: d,
+            "truncated": lambda d: gzip.compress(d)[: max(1, len(gzip.compress(d)) // 2)]}
+
+
+@FUZZ
+@given(path=PATHS, body=st.one_of(CHAT, COMPLETION, RAW.map(lambda d: d)), coding=CODINGS,
+       encoder=st.sampled_from(sorted(ENCODERS)))
+@example(path="/v1/chat/completions", body=b"{}", coding="gzip", encoder="raw")  # a plain body labelled gzip
+def test_content_codings_fuzz(front_door, path, body, coding, encoder):
+    """Bodies compressed as labelled, compressed otherwise, mislabelled or truncated: never a 500 or a hang."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8", errors="surrogatepass")
+    response = send(front_door.url + path, ENCODERS[encoder](data), "application/json", **{"Content-Encoding": coding})
+    check_answer(response, path, (coding, encoder, data[:200]))
+
+
+GENERATE = bodies(
+    {"text_input": field(text(1, 30), st.sampled_from(["", "[", "[]", '[{"role": "user"}]']), st.integers()),
+     "max_tokens": field(st.integers(1, 4), st.integers(max_value=0), st.integers(min_value=2**31),
+                         st.sampled_from(["abc", 3.5, True, None, "4"]), limit=4)},
+    {"temperature": field(st.floats(0, 2), st.sampled_from(["0.1", None, True]), st.floats(2.01, 1e40)),
+     "top_k": field(st.integers(-1, 50), st.integers(min_value=2**31), st.just(1.5)),
+     "random_seed": field(st.integers(0, 2**63 - 1), st.integers(max_value=-1), st.integers(min_value=2**64)),
+     "stop_words": field(st.lists(text(1, 5), max_size=2), st.lists(st.integers(), min_size=1, max_size=2)),
+     "stream": field(st.just(False), WRONG_TYPES, st.just(True)), "ignore_eos": field(st.booleans(), WRONG_TYPES),
+     "logprobs": field(st.integers(0, 2), st.integers(21, 2**40)),
+     "prompt_logprobs": field(st.integers(0, 2), st.integers(max_value=-1))},
+    keep=("max_tokens",))  # without it preprocess would generate up to the whole context
+
+
+@settings(FUZZ, max_examples=40)
+@given(body=GENERATE)
+@example(body={"text_input": "Once upon a time", "max_tokens": 4294967304})  # c21: Triton alone serves 8 tokens
+@example(body={"text_input": 123, "max_tokens": "abc", "random_seed": -1})  # c22: Triton alone answers 500
+def test_triton_generate_through_the_front_door_fuzz(front_door, body):
+    """/v2/models/omni_chat/generate: typed before Triton parses it, so never a 500 (Triton's own parser
+    answers wrong types with 500 "Unable to parse 'data'"), and a 4xx keeps Triton's {"error": str} shape."""
+    path = f"/v2/models/{MODEL}/generate"
+    data = json.dumps(body).encode("utf-8", errors="surrogatepass")
+    response = send(front_door.url + path, data, "application/json")
+    where = f"{path} {body!r:.300}"
+    assert response.status_code < 500, f"{response.status_code} {response.text[:300]} for {where}"
+    answer = response.json()
+    if response.status_code >= 400:
+        assert set(answer) == {"error"} and isinstance(answer["error"], str) and answer["error"], where
+    else:
+        assert isinstance(answer["text_output"], str) and answer["completion_tokens"] >= 0, where

@@ -92,9 +92,9 @@ def test_a_burst_of_4x_capacity_gets_capacity_served_and_the_rest_refused_at_onc
     assert burst_s < first_done_s, f"the burst took {burst_s:.2f} s, longer than a request ({first_done_s:.2f} s)"
     assert (len(accepted), len(refused)) == (CAPACITY, BURST - CAPACITY)
     for result in refused:
-        assert result["error"] == (f"waiting queue is full: the llm stage holds {CAPACITY} requests (max_num_seqs "
-                                   f"{MAX_NUM_SEQS} running + max_queued_requests {MAX_QUEUED} waiting); "
-                                   "retry later")
+        assert result["error"] == (f"[queue_full retry_after=1] waiting queue is full: the llm stage holds "
+                                   f"{CAPACITY} requests (max_num_seqs {MAX_NUM_SEQS} running + max_queued_requests "
+                                   f"{MAX_QUEUED} waiting); retry later")
         assert result["ended_after_s"] < REFUSAL_BOUND_S
     assert max(r["ended_after_s"] for r in refused) < first_done_s
     alone = LLMStream(server.grpc_url)

@@ -28,7 +28,7 @@ from front_door import MODEL, FrontDoorThread, front_door_config
 from llm_stream import LLMStream, llm_inputs
 from tritonclient.utils import InferenceServerException
 
-from omni_backend.serving.process import FrontDoorProcess
+from omni_backend.launch.front_door import FrontDoorProcess
 from omni_backend.stages.llm import STOP_POLL_INTERVAL_S
 
 PROMPT = "Tell me a story about a dragon."

@@ -1,6 +1,5 @@
 """Front door pieces without a server: request validation, error classification, settings, token-id prompts."""
 
-import asyncio
 import json
 
 import numpy as np
@@ -8,7 +7,8 @@ import pytest
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.config import ServingConfig
-from omni_backend.serving.v2_proxy import V2Proxy
+from omni_backend.stages.llm import QueueFull
+from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 
 def test_schema_errors_name_the_field():
@@ -28,121 +28,129 @@ def test_schema_errors_name_the_field():
 
 def test_completion_prompts_and_limits():
     request = protocol.parse_request(protocol.CompletionRequest, {"model": "m", "prompt": [1, 2, 3]})
-    assert request.prompts() == [[1, 2, 3]] and request.max_tokens == 16
+    assert [p.token_ids for p in request.prompts()] == [[1, 2, 3]] and request.max_tokens == 16
     request = protocol.parse_request(protocol.CompletionRequest, {"model": "m", "prompt": ["a", "b"]})
-    assert request.prompts() == ["a", "b"]
+    assert [p.text for p in request.prompts()] == ["a", "b"]
     with pytest.raises(errors.OpenAIError) as excinfo:
         protocol.parse_request(protocol.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 6})
     assert excinfo.value.param == "logprobs"
 
 
-def test_chat_request_becomes_pipeline_inputs():
+def test_chat_request_becomes_a_generation_request():
     request = protocol.parse_request(protocol.ChatCompletionRequest, {
         "model": "m", "max_completion_tokens": 5, "max_tokens": 9, "seed": 3, "stop": "END", "top_k": 4,
         "messages": [{"role": "developer", "content": "Be brief."},
                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
-    assert request.completion_limit == 5
     assert request.messages_json() == [{"role": "system", "content": "Be brief."},
                                        {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                     {"type": "text", "text": "b"}]}]
-    assert request.sampling_values() == {"random_seed": 3, "top_k": 4, "stop_words": ["END"]}
+    generation = request.generation()
+    # settings by vocabulary name (SamplingParams attributes); max_completion_tokens wins over max_tokens
+    assert generation.settings == {"max_tokens": 5, "seed": 3, "top_k": 4, "stop": ["END"], "stream": False}
+    assert json.loads(generation.prompts[0].text) == request.messages_json()
+    assert [generation.choice_settings(i)["seed"] for i in range(2)] == [3, 3]  # n = 1: no offset
+    no_limit = protocol.parse_request(protocol.ChatCompletionRequest, {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]}).generation()
+    assert "max_tokens" not in no_limit.settings  # preprocess takes the rest of the context
 
 
-def test_stream_errors_are_classified_by_the_llm_stage_wording():
-    full = errors.stream_error("in ensemble 'omni_chat', waiting queue is full: the llm stage holds 4 requests "
-                               "(max_num_seqs 2 running + max_queued_requests 2 waiting); retry later", "prompt")
+def test_ranges_come_from_sampling_params_narrowed_to_the_tensor_type():
+    """The OpenAI models take their bounds from SamplingParams' RANGES (through the vocabulary) and from the
+    Triton type: top_k has no upper bound in SamplingParams, INT32 has one."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (("temperature", 2.0), ("top_p", 1.0), ("top_k", 2**31 - 1), ("seed", 2**63 - 1),
+                         ("presence_penalty", -2), ("top_logprobs", 20)):
+        extra = {"logprobs": True} if field == "top_logprobs" else {}
+        protocol.parse_request(protocol.ChatCompletionRequest, {**chat, **extra, field: value})
+    for field, value in (("temperature", 2.01), ("top_p", 0), ("top_k", 2**31), ("top_k", -2), ("seed", 2**63),
+                         ("max_tokens", 0), ("max_tokens", 2**31), ("repetition_penalty", 0)):
+        with pytest.raises(errors.OpenAIError) as excinfo:
+            protocol.parse_request(protocol.ChatCompletionRequest, {**chat, field: value})
+        assert excinfo.value.param == field, (field, value)
+
+
+@pytest.mark.parametrize("field", ["n", "stream", "logprobs", "temperature", "seed", "stop", "max_tokens",
+                                   "max_completion_tokens", "top_logprobs", "stream_options", "user"])
+def test_null_means_the_default(field):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: None}
+    protocol.parse_request(protocol.ChatCompletionRequest, body)
+
+
+@pytest.mark.parametrize("field, value", [("stream", "yes"), ("stream", 1), ("max_tokens", "16"), ("n", 1.0),
+                                          ("temperature", "0.1"), ("ignore_eos", None), ("messages", None)])
+def test_types_are_strict(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(errors.OpenAIError) as excinfo:
+        protocol.parse_request(protocol.ChatCompletionRequest, body)
+    assert (excinfo.value.status, excinfo.value.param) == (400, field)
+
+
+def test_stage_errors_map_by_their_kind_not_their_wording():
+    full = errors.from_triton("in ensemble 'omni_chat', " + QueueFull(
+        "waiting queue is full: the llm stage holds 4 requests; retry later").wire(), None, "prompt")
     assert (full.status, full.type, full.code, full.headers()) == (
         429, "rate_limit_error", "rate_limit_exceeded", {"Retry-After": "1"})
     assert full.message.startswith("waiting queue is full: the llm stage holds 4 requests")
-    assert errors.stream_error("server is shutting down", "prompt").status == 503
-    hot = errors.stream_error("not admitting new requests: GPU temperature 95 C is at or above the critical 90 C; "
-                              "retry after 30 s", "prompt")
+    hot = errors.from_triton(StageError(ErrorKind.NOT_ADMITTING, "too hot", retry_after_s=30).wire())
     assert hot.status == 503 and hot.headers() == {"Retry-After": "30"}
-    assert errors.stream_error("engine step failed (see server log)", "prompt").status == 500
-    assert errors.stream_error("llm failed: RuntimeError: boom", "prompt").status == 500
-    kv = errors.stream_error("request needs 4000 tokens of KV cache, the whole cache holds 1456", "prompt")
-    assert kv.status == 400
-    context = errors.stream_error("in ensemble 'omni_chat', maximum context length is 8 tokens, you requested 9",
-                                  "messages")
+    # the engine loop's and step's failures are faults whatever their words (an unknown wording was a 400)
+    for words in ("engine loop failed (see server log)", "engine step failed (see server log)", "anything"):
+        assert errors.from_triton(StageError(ErrorKind.INTERNAL, words).wire()).status == 500
+    shutdown = errors.from_triton(StageError(ErrorKind.UNAVAILABLE, "server is shutting down").wire())
+    assert shutdown.status == 503
+    context = errors.from_triton("in ensemble 'omni_chat', " + StageError(
+        ErrorKind.CONTEXT_LENGTH_EXCEEDED, "maximum context length is 8 tokens, you requested 9").wire(),
+        None, "messages")
     assert (context.status, context.param, context.code) == (400, "messages", "context_length_exceeded")
-    assert not context.message.startswith("in ensemble")
-
-
-def test_grpc_statuses_map_to_http():
-    assert errors.grpc_status_error("StatusCode.INVALID_ARGUMENT", "random_seed must be an integer", "prompt").param == "seed"
-    assert errors.grpc_status_error("StatusCode.INVALID_ARGUMENT", "text_input is empty", "messages").message \
-        == "messages is empty"
-    unavailable = errors.grpc_status_error("StatusCode.UNAVAILABLE", "down", "prompt")
-    assert unavailable.status == 503 and unavailable.headers() == {"Retry-After": "1"}
-    assert errors.grpc_status_error("StatusCode.INTERNAL", "preprocess failed: x", "prompt").status == 500
+    assert context.message.startswith("maximum context length is 8 tokens")
+    # a stage's field is named as the client knows it
+    seed = errors.from_triton(StageError.of(FieldError("random_seed", "must be an integer"), "x").wire(),
+                              "StatusCode.INVALID_ARGUMENT", "prompt")
+    assert (seed.param, seed.message) == ("seed", "seed must be an integer")
+    part = errors.from_triton(StageError.of(FieldError("text_input[0].content[1]", "(image_url): too big"), "x")
+                              .wire(), "StatusCode.INVALID_ARGUMENT", "messages")
+    assert (part.param, part.message) == ("messages[0].content[1]", "messages[0].content[1] (image_url): too big")
+    # without a header: Triton's own error, by its status (on a stream: a fault)
+    assert errors.from_triton("down", "StatusCode.UNAVAILABLE").headers() == {"Retry-After": "1"}
+    assert errors.from_triton("unexpected datatype", "StatusCode.INVALID_ARGUMENT").status == 400
+    assert errors.from_triton("something new", None).status == 500
 
 
 def test_dead_stub_is_503_for_streams_and_unary_calls():
     """Triton 2.51's "Stub process '<m>_0_0' is not healthy." is a stage that died: 503 + Retry-After, not a
     client error (stream) nor a 500 (unary calls get it as gRPC INTERNAL)."""
-    unary = errors.grpc_status_error(
-        "StatusCode.INTERNAL", "Failed to process the request(s) for model instance 'preprocess_0_0', message: "
-        "Stub process 'preprocess_0_0' is not healthy.", "messages")
+    unary = errors.from_triton(
+        "Failed to process the request(s) for model instance 'preprocess_0_0', message: "
+        "Stub process 'preprocess_0_0' is not healthy.", "StatusCode.INTERNAL", "messages")
     assert (unary.status, unary.code, unary.headers()) == (503, "service_unavailable", {"Retry-After": "1"})
     assert unary.message.startswith("the preprocess stage is down")
-    streamed = errors.stream_error("in ensemble 'omni_chat', Stub process 'llm_0_0' is not healthy.", "prompt")
+    streamed = errors.from_triton("in ensemble 'omni_chat', Stub process 'llm_0_0' is not healthy.")
     assert (streamed.status, streamed.headers()) == (503, {"Retry-After": "1"})
     assert streamed.message.startswith("the llm stage is down")
 
 
-class _FakeUpstream:
-    def __init__(self, status: int, body: dict):
-        self.status, self.headers, self._data = status, {"Content-Type": "application/json"}, json.dumps(body).encode()
-
-    async def read(self) -> bytes:
-        return self._data
-
-    def release(self) -> None:
-        pass
-
-
-class _FakeDoor:
-    def __init__(self, upstream: _FakeUpstream):
-        self.upstream = upstream
-
-    def http(self):
-        door = self
-
-        class Session:
-            async def request(self, *args, **kwargs):
-                return door.upstream
-        return Session()
-
-
-class _FakeRequest:
-    method, headers, query_params = "POST", {"content-type": "application/json"}, {}
-
-    async def body(self) -> bytes:
-        return b'{"text_input": "hi"}'
-
-
 @pytest.mark.parametrize("upstream_status,message,status,retry_after", [
-    (400, "waiting queue is full: the llm stage holds 4 requests (max_num_seqs 2 running + max_queued_requests 2 "
-          "waiting); retry later", 429, "1"),
-    (200, "in ensemble 'omni_chat', waiting queue is full: the llm stage holds 4 requests; retry later", 429, "1"),
-    (400, "not admitting new requests: GPU temperature 95 C is at or above the critical 90 C; retry after 30 s",
-     503, "30"),
+    (400, QueueFull("waiting queue is full: the llm stage holds 4 requests; retry later").wire(), 429, "1"),
+    (200, "in ensemble 'omni_chat', " + QueueFull("waiting queue is full; retry later").wire(), 429, "1"),
+    (400, StageError(ErrorKind.NOT_ADMITTING, "too hot; retry after 30 s", retry_after_s=30).wire(), 503, "30"),
     (400, "Stub process 'llm_0_0' is not healthy.", 503, "1"),
-    (400, "server is shutting down", 503, "1"),
-    (400, "engine step failed (see server log)", 500, None),
-    (400, "maximum context length is 8 tokens, you requested 9", 400, None),
+    (400, StageError(ErrorKind.UNAVAILABLE, "server is shutting down").wire(), 503, "1"),
+    (400, StageError(ErrorKind.INTERNAL, "engine loop failed (see server log)").wire(), 500, None),
+    (400, StageError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, "maximum context length is 8 tokens").wire(), 400, None),
     (200, "expected exactly 1 response, got 2", 400, None),
     (404, "Request for unknown model: 'nope' is not found", 404, None),
+    (400, "expected number of inputs between 1 and 14 but got 0", 400, None),
 ])
-def test_v2_generate_errors_get_the_status_their_message_means(upstream_status, message, status, retry_after):
+def test_v2_generate_errors_get_the_status_of_their_kind(upstream_status, message, status, retry_after):
     """/v2/.../generate through the front door: Triton 2.51 answers a decoupled model's every error 400 (or 200);
-    the proxy classifies it like the OpenAI endpoints and keeps Triton's body shape {"error": "..."}."""
-    proxy = V2Proxy(ServingConfig(), _FakeDoor(_FakeUpstream(upstream_status, {"error": message})))
-    response = asyncio.run(proxy.forward("models/llm/generate", _FakeRequest()))
+    the front door answers the kind's status and keeps Triton's body shape {"error": "..."}."""
+    from omni_backend.serving.routes.triton_v2 import _generate_error
+
+    response = _generate_error(upstream_status, json.dumps({"error": message}).encode(), "omni_chat")
     assert response.status_code == status
     assert response.headers.get("retry-after") == retry_after
     body = json.loads(response.body)
-    assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"].startswith(message)
+    assert list(body) == ["error"] and body["error"].startswith(message)
 
 
 def test_settings_from_environment():
@@ -161,7 +169,7 @@ def test_settings_from_environment():
 
 def test_the_front_door_process_passes_its_shutdown_grace():
     from omni_backend.serving.__main__ import parse_args
-    from omni_backend.serving.process import FrontDoorProcess
+    from omni_backend.launch.front_door import FrontDoorProcess
 
     command = FrontDoorProcess(ServingConfig(graceful_shutdown_s=12, port=9123)).command()
     assert command[command.index("--graceful-shutdown-s") + 1] == "12"
@@ -178,7 +186,8 @@ def test_preprocess_takes_prompt_token_ids():
                      "prompt_token_ids": np.array(ids, dtype=np.int32)})
     assert out["input_ids"].tolist() == ids
     assert out["prompt_text"][0].decode() == "The capital of France is"
-    for bad, fragment in (([], "prompt_token_ids is empty"), ([1, 10**7], "prompt_token_ids[1]")):
-        with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+    for bad, field in (([], "prompt_token_ids"), ([1, 10**7], "prompt_token_ids[1]")):
+        with pytest.raises(FieldError) as excinfo:
             stage.run({"text_input": np.array([b""], dtype=object), "max_tokens": np.array([4], dtype=np.int32),
                        "prompt_token_ids": np.array(bad, dtype=np.int32)})
+        assert excinfo.value.field == field

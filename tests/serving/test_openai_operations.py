@@ -7,9 +7,10 @@ import time
 
 import aiohttp
 import pytest
-from chat_client import free_ports
 from front_door import MODEL
 from frontdoor_http import get, post
+
+from omni_backend.launch.ports import free_ports
 
 pytestmark = [pytest.mark.server, pytest.mark.reliability]
 

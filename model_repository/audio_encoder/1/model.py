@@ -7,6 +7,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.media_encoder import create_stage
+from omni_backend.stages.tensors import triton_error
 
 
 class TritonPythonModel:
@@ -20,7 +21,7 @@ class TritonPythonModel:
         try:
             outputs = self.stage.run(arrays)
         except ValueError as exc:
-            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+            error = triton_error(pb_utils, exc, "audio_encoder")
             return [pb_utils.InferenceResponse(error=error) for _ in requests]
         return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("embeddings", np.ascontiguousarray(o))])
                 for o in outputs]

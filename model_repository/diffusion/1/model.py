@@ -6,7 +6,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
-from omni_backend.stages.tensors import request_arrays
+from omni_backend.stages.tensors import request_arrays, triton_error
 from omni_backend.stages.diffusion import INPUT_NAMES, DiffusionStage, ImageLimits, ImageRequest
 
 
@@ -28,8 +28,7 @@ class TritonPythonModel:
                 valid.append(ImageRequest.from_arrays(arrays, self.stage.limits))
                 indices.append(index)
             except ValueError as exc:
-                responses[index] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+                responses[index] = pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, "diffusion"))
         if valid:
             try:
                 images = self.stage.generate(valid)
@@ -39,8 +38,7 @@ class TritonPythonModel:
                         pb_utils.Tensor("seed", np.array([[item.seed]], dtype=np.int64)),
                     ])
             except Exception as exc:  # never take the stub down: answer these requests with an error
-                error = pb_utils.TritonError(f"diffusion failed: {type(exc).__name__}: {exc}",
-                                             pb_utils.TritonError.INTERNAL)
+                error = triton_error(pb_utils, exc, "diffusion")
                 for index in indices:
                     responses[index] = pb_utils.InferenceResponse(error=error)
         return responses

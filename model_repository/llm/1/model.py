@@ -9,8 +9,9 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
-from omni_backend.ops.governor import NotAdmitting
-from omni_backend.stages.llm import QueueFull, create_service
+from omni_backend.stages.llm import create_service
+from omni_backend.stages.tensors import triton_error
+from omni_backend.vocabulary import StageError
 
 
 class _Sink:
@@ -21,10 +22,8 @@ class _Sink:
         self.passthrough = passthrough  # the optional `passthrough` input, echoed in every response
 
     def send(self, output):
-        logprobs = ""
-        if output.logprobs:
-            logprobs = json.dumps([{"id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
-                                   for lp in output.logprobs])
+        logprobs = _logprobs_json(output.logprobs)
+        prompt_logprobs = _logprobs_json(output.prompt_logprobs)
         tensors = [
             pb_utils.Tensor("text_output", np.array([output.text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.array(output.token_ids, dtype=np.int32)),
@@ -32,16 +31,15 @@ class _Sink:
             pb_utils.Tensor("prompt_tokens", np.array([output.prompt_tokens], dtype=np.int32)),
             pb_utils.Tensor("completion_tokens", np.array([output.completion_tokens], dtype=np.int32)),
             pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
+            pb_utils.Tensor("prompt_token_logprobs", np.array([prompt_logprobs.encode()], dtype=np.object_)),
         ]
         if self.passthrough is not None:
             tensors.append(pb_utils.Tensor("passthrough", self.passthrough))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
-    def fail(self, message, code=None):
-        # pb_utils gets TritonError etc. from the stub only after this module is imported: no default argument
-        code = pb_utils.TritonError.INVALID_ARG if code is None else code
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+    def fail(self, error):
+        self.sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "llm")),
                          flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def close(self):
@@ -49,6 +47,13 @@ class _Sink:
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
+
+
+def _logprobs_json(entries):
+    """Token logprobs as the postprocess stage takes them ("" for none)."""
+    if not entries:
+        return ""
+    return json.dumps([{"id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in entries])
 
 
 def _prompt_embeds(request, hidden_size):
@@ -89,12 +94,8 @@ class TritonPythonModel:
                 request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
                 embeds = _prompt_embeds(request, self.hidden_size)
                 self.service.submit(request_id, ids, params, sink, prompt_embeds=embeds)
-            except (ValueError, UnicodeDecodeError) as exc:
-                sink.fail(str(exc))
-            except (NotAdmitting, QueueFull) as exc:  # GPU too hot, or overloaded: refused now, retry later
-                sink.fail(str(exc), pb_utils.TritonError.UNAVAILABLE)
-            except Exception as exc:  # never take the stub down for one request
-                sink.fail(f"llm failed: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            except Exception as exc:  # bad input, refused (too hot, queue full), or a fault: this request only
+                sink.fail(StageError.of(exc, "llm"))
         return None
 
     def finalize(self):

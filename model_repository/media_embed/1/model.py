@@ -8,6 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.media_encoder import splice_embeddings
+from omni_backend.stages.tensors import triton_error
 
 ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
@@ -43,8 +44,8 @@ class TritonPythonModel:
             spliced = splice_embeddings(parts, positions, outputs)
             return self._response(spliced["prompt_embeds"], spliced["prompt_embed_positions"])
         except (ValueError, KeyError, IndexError) as exc:
-            error = pb_utils.TritonError(f"media_embed: {exc}", pb_utils.TritonError.INVALID_ARG)
-            return pb_utils.InferenceResponse(error=error)
+            return pb_utils.InferenceResponse(error=triton_error(pb_utils, ValueError(f"media_embed: {exc}"),
+                                                                 "media_embed"))
 
     @staticmethod
     def _response(embeds, positions):

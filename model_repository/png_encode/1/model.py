@@ -5,6 +5,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
 from omni_backend.stages.diffusion import encode_png
+from omni_backend.stages.tensors import triton_error
 
 
 class TritonPythonModel:
@@ -19,9 +20,7 @@ class TritonPythonModel:
                 pngs = np.array([[encode_png(image)] for image in images], dtype=np.object_)
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("png", pngs)]))
             except Exception as exc:  # bad shape or encoder failure: this request only
-                error = pb_utils.TritonError(f"png_encode failed: {type(exc).__name__}: {exc}",
-                                             pb_utils.TritonError.INTERNAL)
-                responses.append(pb_utils.InferenceResponse(error=error))
+                responses.append(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, "png_encode")))
         return responses
 
     def finalize(self):

@@ -3,7 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
-from omni_backend.stages.tensors import one_value, string_tensor
+from omni_backend.stages.tensors import one_value, string_tensor, triton_error
 from omni_backend.stages.tts_options import SpeechOptions
 
 
@@ -23,8 +23,7 @@ class TritonPythonModel:
                 options = SpeechOptions.create(one_value(arrays, "voice", str), one_value(arrays, "audio_format", str),
                                                one_value(arrays, "speed", float), stream=True)
             except ValueError as exc:
-                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                responses.append(pb_utils.InferenceResponse(error=error))
+                responses.append(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, "speech_options")))
                 continue
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("passthrough",
                                                                          string_tensor(options.to_json()))]))

@@ -9,7 +9,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
-from omni_backend.stages.tensors import request_arrays
+from omni_backend.stages.tensors import request_arrays, triton_error
 from omni_backend.stages.tts import ENGINES, INPUT_NAMES, SpeechStage, SpeechWorker
 
 
@@ -23,9 +23,9 @@ class _Sink:
         response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()])
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
-    def fail(self, message, code=None):
-        error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL if code is None else code)
-        self.sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def fail(self, error):
+        self.sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "tts")),
+                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
@@ -50,11 +50,8 @@ class TritonPythonModel:
             arrays = request_arrays(pb_utils, request, INPUT_NAMES)
             try:
                 options, chunks = self.stage.plan(arrays)
-            except ValueError as exc:
-                sink.fail(str(exc), pb_utils.TritonError.INVALID_ARG)
-                continue
-            except Exception as exc:  # never take the stub down: answer this request with an error
-                sink.fail(f"tts failed: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # bad input, or a fault: answer this request with an error, keep the stub
+                sink.fail(exc)
                 continue
             if chunks:
                 self.worker.submit(options, chunks, sink)

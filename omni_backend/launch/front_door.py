@@ -1,7 +1,8 @@
-"""Run the front door as a child process (used by `omni_backend.serve`, i.e. `scripts/serve.sh`)."""
+"""Run the OpenAI front door as a child process (used by `python -m omni_backend.launch`, i.e. `scripts/serve.sh`)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -25,10 +26,18 @@ class FrontDoorProcess:
                    "--triton-grpc", c.triton_grpc, "--triton-http", c.triton_http,
                    "--triton-metrics", c.triton_metrics_url, "--max-body-bytes", str(c.max_body_bytes),
                    "--max-concurrent-requests", str(c.max_concurrent_requests),
-                   "--graceful-shutdown-s", str(c.graceful_shutdown_s)]
+                   "--graceful-shutdown-s", str(c.graceful_shutdown_s), "--allowed-origins", ",".join(c.allowed_origins)]
         for model in c.models:
             command += ["--model", model]
-        return command  # the API key travels in OMNI_API_KEY (inherited), not on the command line
+        return command  # the keys travel in the environment (`environment`), not on the command line
+
+    def environment(self) -> dict[str, str]:
+        """This process's environment, with the operator's key (`OMNI_ADMIN_KEY`) when the config has one; the
+        API key (`OMNI_API_KEY`) is inherited."""
+        env = dict(os.environ)
+        if self.config.admin_key:
+            env["OMNI_ADMIN_KEY"] = self.config.admin_key
+        return env
 
     def start(self, ready_timeout_s: float = 60.0) -> "FrontDoorProcess":
         """Start it and wait until `GET /health` answers (any status: the app is up).
@@ -36,7 +45,7 @@ class FrontDoorProcess:
         Raises:
             RuntimeError: it exited or did not answer within `ready_timeout_s`.
         """
-        self.process = subprocess.Popen(self.command())
+        self.process = subprocess.Popen(self.command(), env=self.environment())
         url = f"http://127.0.0.1:{self.config.port}/health"
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:

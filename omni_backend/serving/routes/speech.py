@@ -1,18 +1,19 @@
 """Speech out of the front door: `POST /v1/audio/speech`, and chat completions with `"modalities": ["text",
 "audio"]`.
 
-Both use the `tts` stage on Triton (omni_backend/stages/tts.py) with self-contained requests: one gRPC stream
+Both use the `tts` stage on Triton (serving/speech_backend.py) with self-contained requests: one gRPC stream
 per piece of text, answered with one response per phrase (the first phrase short, so audio starts early).
 
-- `/v1/audio/speech` sends the whole input as one tts request and streams the audio as it is made (chunked
-  transfer): `pcm` (raw 16-bit little-endian mono at 24 kHz, as OpenAI sends it) and `wav` (a header with
+- `/v1/audio/speech` checks that its `input` can be spoken (`stages/tts_input.py`: no control characters, at
+  least one letter or digit; a 400 on `input` otherwise, never an empty file) and streams the audio as it is made
+  (chunked transfer): `pcm` (raw 16-bit little-endian mono at 24 kHz, as OpenAI sends it) and `wav` (a header with
   open-ended sizes, then the samples at the voice's rate) chunk by chunk; `flac` and `mp3` are encoded once the
   last chunk is in (mp3 only where the installed libsndfile can write it; otherwise 400 naming the format).
-- chat with audio drives the chat pipeline like text chat (app.Generation: preprocess, the cancellable llm
-  stream, postprocess), cuts the streamed text into phrases with the same `SentenceChunker` the omni_speech
-  ensemble uses, and speaks each phrase as soon as it is complete, while the LLM goes on. The answer carries
-  OpenAI's `message.audio` (id, base64 data, expires_at, transcript); streamed, each text delta is a
-  `delta.audio.transcript` and each phrase's audio a `delta.audio.data` (pcm16 only, as with OpenAI).
+- chat with audio drives the chat pipeline like text chat (serving/generation.py: preprocess, the cancellable
+  llm stream, postprocess), cuts the streamed text into phrases with the same `SentenceChunker` the omni_speech
+  ensemble uses, and speaks each phrase that has something to say as soon as it is complete, while the LLM goes
+  on. The answer carries OpenAI's `message.audio` (id, base64 data, expires_at, transcript); streamed, each text
+  delta is a `delta.audio.transcript` and each phrase's audio a `delta.audio.data` (pcm16 only, as with OpenAI).
 """
 
 from __future__ import annotations
@@ -20,97 +21,35 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import struct
 from typing import AsyncIterator
 
 import numpy as np
-import tritonclient.grpc as grpcclient
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sse_starlette import ServerSentEvent
 
 from omni_backend.serving import errors, protocol
+from omni_backend.serving.admission import run_admitted
 from omni_backend.serving.errors import OpenAIError, invalid
-from omni_backend.serving.pipeline import TritonGrpcUser
+from omni_backend.serving.front_door import door_of, require_api_key
+from omni_backend.serving.generation import Generation
+from omni_backend.serving.request_body import read_json
+from omni_backend.serving.responses import SYSTEM_FINGERPRINT
+from omni_backend.serving.speech_backend import TTS_MODEL, SpeechBackend
 from omni_backend.stages import tts_audio
+from omni_backend.stages.tts_input import speech_text, unspeakable_reason
 from omni_backend.stages.tts_options import SpeechOptions, check_speed, resolve_voice
 from omni_backend.stages.tts_text import SentenceChunker
+from omni_backend.vocabulary import FieldError
 
-TTS_MODEL = "tts"
 # Model names /v1/audio/speech answers to besides the served chat models: the stage's and OpenAI's.
 SPEECH_MODEL_NAMES = (TTS_MODEL, "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 MAX_INPUT_CHARS = 4096
 AUDIO_EXPIRY_S = 3600
 CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI name -> ours
 
-
-class SpeechBackend(TritonGrpcUser):
-    """The tts stage over gRPC: text in, (text, samples, sample rate) per phrase out."""
-
-    def __init__(self, grpc_url: str, model: str = TTS_MODEL):
-        super().__init__(grpc_url)
-        self.model = model
-
-    async def phrases(self, text: str, options: SpeechOptions, field: str = "input",
-                      request_id: str = "") -> AsyncIterator[tuple[str, np.ndarray, int]]:
-        """Speak `text` (one self-contained tts request); yields (phrase, int16 samples, sample rate) in order.
-
-        Closing the iterator early cancels the request.
-
-        Raises:
-            OpenAIError: 400 for the stage's INVALID_ARG (naming `field` for the text), 503/500 otherwise.
-        """
-        tensors = []
-        for name, value in (("text", text), ("options", options.to_json())):
-            array = np.array([value.encode("utf-8")], dtype=np.object_)
-            tensor = grpcclient.InferInput(name, [1], "BYTES")
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-
-        async def one_request():
-            yield {"model_name": self.model, "inputs": tensors, "request_id": request_id}
-
-        stream = self.client.stream_infer(one_request())
-        finished = False
-        try:
-            async for result, error in stream:
-                if error is not None:
-                    finished = True
-                    raise _speech_error(error.message(), field)
-                phrase = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
-                samples = result.as_numpy("audio").reshape(-1).astype(np.int16)
-                rate = int(result.as_numpy("sample_rate").reshape(-1)[0])
-                finished = bool(result.as_numpy("finish_reason").reshape(-1)[0])
-                yield phrase, samples, rate
-                if finished:
-                    return
-            finished = True
-            raise errors.internal(f"the {self.model} stream ended before its final response")
-        finally:
-            if not finished:
-                stream.cancel()
-
-    async def speak(self, text: str, options: SpeechOptions, field: str = "input") -> tuple[np.ndarray, int]:
-        """The whole audio of `text`: (int16 samples, sample rate)."""
-        pieces, rate = [], 0
-        async for _, samples, rate in self.phrases(text, options, field):
-            pieces.append(samples)
-        return (np.concatenate(pieces) if pieces else np.zeros(0, np.int16)), rate
-
-
-def _speech_error(message: str, field: str) -> OpenAIError:
-    """A tts stage error message -> OpenAIError; "text ..." names `field`, "options: voice ..." names voice."""
-    error = errors.stream_error(message.removeprefix("tts failed: "), "input")
-    if message.startswith("tts failed:"):
-        return errors.internal(message)
-    if error.status == 400:
-        text = error.message
-        if text.startswith("text "):
-            return invalid(field + text[len("text"):], field)
-        if text.startswith("options: "):
-            text = text[len("options: "):]
-            param = text.split(" ")[0].strip("':")
-            return invalid(text, {"audio_format": "response_format"}.get(param, param))
-    return error
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 def _voice(value, field: str) -> str:
@@ -138,61 +77,58 @@ def wants_audio(body: dict) -> bool:
     return body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities)
 
 
-def register(router: APIRouter, door) -> None:
-    """Add `POST /v1/audio/speech` to the front door's /v1 router (`door`: app.FrontDoor)."""
-    backend = SpeechBackend(door.config.triton_grpc)
-    door.speech = backend
+@router.post("/v1/audio/speech")
+async def create_speech(request: Request):
+    door = door_of(request)
+    body = await read_json(request, door.config.max_body_bytes)
+    door.check_model(body, SPEECH_MODEL_NAMES)
+    text = errors.required_text(body, "input")
+    if len(text) > MAX_INPUT_CHARS:
+        raise invalid(f"input is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input")
+    reason = unspeakable_reason(text)
+    if reason is not None:
+        raise invalid(f"input {reason}", "input")
+    voice = _voice(body.get("voice"), "voice")
+    audio_format = _format(body.get("response_format") or "mp3", "response_format",
+                           {name: name for name in ("mp3", "wav", "flac", "pcm", "opus", "aac")})
+    try:
+        speed = check_speed(body.get("speed"))
+    except FieldError as exc:
+        raise invalid(str(exc), "speed") from None
+    if (body.get("stream_format") or "audio") != "audio":
+        raise invalid("stream_format: only 'audio' is supported", "stream_format")
+    options = SpeechOptions(voice=voice, audio_format=audio_format, speed=speed)
 
-    @router.post("/v1/audio/speech")
-    async def create_speech(request: Request):
-        from omni_backend.serving.app import read_json
+    admission = door.admitted()
+    await admission.__aenter__()
+    phrases = door.speech.phrases(text, options, "input", protocol.new_id("speech"))
+    try:
+        _, first, rate = await phrases.__anext__()  # errors before any audio keep their own status
+        if audio_format in ("flac", "mp3"):  # whole-file formats: encoded once the last phrase is in
+            pieces = [first]
+            async for _, samples, _ in phrases:
+                pieces.append(samples)
+            data = tts_audio.encode(np.concatenate(pieces), rate, audio_format)
+            await admission.__aexit__(None, None, None)
+            return Response(data, media_type=tts_audio.MEDIA_TYPES[audio_format])
+    except BaseException:
+        await phrases.aclose()
+        await admission.__aexit__(None, None, None)
+        raise
 
-        body = await read_json(request, door.config.max_body_bytes)
-        door.check_model(body, SPEECH_MODEL_NAMES)
-        text = errors.required_text(body, "input")
-        if len(text) > MAX_INPUT_CHARS:
-            raise invalid(f"input is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input")
-        voice = _voice(body.get("voice"), "voice")
-        audio_format = _format(body.get("response_format", "mp3"), "response_format",
-                               {name: name for name in ("mp3", "wav", "flac", "pcm", "opus", "aac")})
+    async def chunks():
         try:
-            speed = check_speed(body.get("speed"))
-        except ValueError as exc:
-            raise invalid(str(exc), "speed") from None
-        if body.get("stream_format", "audio") != "audio":
-            raise invalid("stream_format: only 'audio' is supported", "stream_format")
-        options = SpeechOptions(voice=voice, audio_format=audio_format, speed=speed)
-
-        admission = door.admitted()
-        await admission.__aenter__()
-        phrases = backend.phrases(text, options, "input", protocol.new_id("speech"))
-        try:
-            _, first, rate = await phrases.__anext__()  # errors before any audio keep their own status
-            if audio_format in ("flac", "mp3"):  # whole-file formats: encoded once the last phrase is in
-                pieces = [first]
-                async for _, samples, _ in phrases:
-                    pieces.append(samples)
-                data = tts_audio.encode(np.concatenate(pieces), rate, audio_format)
-                await admission.__aexit__(None, None, None)
-                return Response(data, media_type=tts_audio.MEDIA_TYPES[audio_format])
-        except BaseException:
+            if audio_format == "wav":
+                yield _streaming_wav_header(rate)
+            yield _raw(first, rate, audio_format)
+            async for _, samples, _ in phrases:
+                yield _raw(samples, rate, audio_format)
+        finally:
             await phrases.aclose()
             await admission.__aexit__(None, None, None)
-            raise
 
-        async def chunks():
-            try:
-                if audio_format == "wav":
-                    yield _streaming_wav_header(rate)
-                yield _raw(first, rate, audio_format)
-                async for _, samples, _ in phrases:
-                    yield _raw(samples, rate, audio_format)
-            finally:
-                await phrases.aclose()
-                await admission.__aexit__(None, None, None)
-
-        return StreamingResponse(chunks(), media_type=tts_audio.MEDIA_TYPES[audio_format],
-                                 headers={"X-Sample-Rate": str(rate if audio_format == "wav" else tts_audio.PCM_RATE)})
+    return StreamingResponse(chunks(), media_type=tts_audio.MEDIA_TYPES[audio_format],
+                             headers={"X-Sample-Rate": str(rate if audio_format == "wav" else tts_audio.PCM_RATE)})
 
 
 def _raw(samples: np.ndarray, rate: int, audio_format: str) -> bytes:
@@ -201,8 +137,6 @@ def _raw(samples: np.ndarray, rate: int, audio_format: str) -> bytes:
 
 def _streaming_wav_header(rate: int) -> bytes:
     """A 16-bit mono WAV header whose sizes say "until the end of the stream" (0xFFFFFFFF), as streamed WAV does."""
-    import struct
-
     return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt " +
             struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFFF))
 
@@ -212,9 +146,11 @@ def _streaming_wav_header(rate: int) -> bytes:
 
 
 async def chat_with_audio(request: Request, door, body: dict, pipeline):
-    """Serve a chat completion whose `modalities` include "audio" (see the module docstring)."""
-    from omni_backend.serving.app import SYSTEM_FINGERPRINT, Generation, run_admitted
+    """Serve a chat completion whose `modalities` include "audio" (see the module docstring).
 
+    Args:
+        door: the FrontDoor; pipeline: the served model's TritonPipeline.
+    """
     modalities = body.get("modalities") or ["text", "audio"]
     if (not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities)
             or set(modalities) - {"text", "audio"} or "audio" not in modalities):
@@ -233,15 +169,15 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
     if req.logprobs:
         raise invalid("logprobs are not available with audio output", "logprobs")
     options = SpeechOptions(voice=voice, audio_format=audio_format)
-    values = {"text_input": json.dumps(req.messages_json(), ensure_ascii=False), **req.sampling_values(),
-              "stream": True}
+    generation_request = req.generation()
+    generation_request.settings["stream"] = True  # phrases are spoken while the LLM goes on
     request_id = protocol.new_id("chatcmpl")
     audio_id = protocol.new_id("audio")
     backend: SpeechBackend = door.speech
+    generation = Generation(pipeline, generation_request, request_id)
 
-    generation = Generation(door, pipeline, request_id, "messages")
     def start():
-        return generation.start([values], 1, req.completion_limit, req.seed)
+        return generation.start()
 
     if req.stream:
         events = _stream_events(req, generation, backend, options, request_id, audio_id, SYSTEM_FINGERPRINT)
@@ -263,22 +199,21 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
                          "usage": usage})
 
 
-def _check_step(step) -> None:
-    if step.finish_reason == "abort":
-        raise errors.unavailable("the request was aborted by the server (shutting down or out of KV cache)")
-
-
 async def _spoken(generation, backend: SpeechBackend, options: SpeechOptions) -> AsyncIterator[tuple]:
     """Merge the LLM's text deltas with the audio of each completed phrase, spoken while the LLM goes on.
 
     Yields ("text", step) for every LLM response and ("audio", samples, rate) per phrase in phrase order; the
-    last item is ("done", final step).
+    last item is ("done", final step). A phrase with nothing to speak (only punctuation or symbols) is part of
+    the transcript but gets no audio.
     """
     queue: asyncio.Queue = asyncio.Queue()
     chunker = SentenceChunker()
     tasks: list[asyncio.Task] = []
 
     def speak(phrase: str) -> None:
+        phrase = speech_text(phrase)
+        if unspeakable_reason(phrase) is not None:
+            return
         task = asyncio.ensure_future(backend.speak(phrase, options, "messages"))
         tasks.append(task)
         task.add_done_callback(lambda _: queue.put_nowait(("spoken", None)))
@@ -286,7 +221,6 @@ async def _spoken(generation, backend: SpeechBackend, options: SpeechOptions) ->
     async def produce():
         try:
             async for _, step in generation.merged():
-                _check_step(step)
                 await queue.put(("text", step))
                 for phrase in chunker.push(step.text):
                     speak(phrase)
@@ -375,4 +309,3 @@ async def _stream_events(req, generation, backend, options, request_id, audio_id
         yield ServerSentEvent("[DONE]")
 
 
-__all__ = ["SpeechBackend", "chat_with_audio", "register", "wants_audio"]

@@ -1,4 +1,4 @@
-"""`python -m omni_backend.serve`: run tritonserver on the rendered model repository, and the OpenAI-compatible
+"""`python -m omni_backend.launch`: run tritonserver on the rendered model repository, and the OpenAI-compatible
 front door beside it, until Ctrl-C/SIGTERM.
 
 Started by `scripts/serve.sh` after setup. Ports come from flags, else `OMNI_HTTP_PORT`, `OMNI_GRPC_PORT`,
@@ -16,8 +16,8 @@ import threading
 
 from omni_backend import paths
 from omni_backend.serving.config import ServingConfig
-from omni_backend.serving.process import FrontDoorProcess
-from omni_backend.triton_server import TritonServer, TritonServerError
+from omni_backend.launch.front_door import FrontDoorProcess
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, TritonServer, TritonServerError
 
 USAGE = """\
 omni_chat is ready. Try:
@@ -44,9 +44,11 @@ def _port(value: str | None, default: int) -> int:
     return int(value) if value else default
 
 
-def _front_door_config(args) -> ServingConfig:
-    """Front door settings: the environment's (OMNI_API_KEY, ...), pointed at this tritonserver's ports."""
+def _front_door_config(args, admin_key: str) -> ServingConfig:
+    """Front door settings: the environment's (OMNI_API_KEY, ...), pointed at this tritonserver's ports and
+    holding its operator key."""
     config = ServingConfig.from_env()
+    config.admin_key = admin_key
     config.port = args.openai_port
     config.triton_grpc = f"localhost:{args.grpc_port}"
     config.triton_http = f"localhost:{args.http_port}"
@@ -82,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
               f"metrics {args.metrics_port}) on {args.model_repository}", flush=True)
         server.start(ready_timeout_s=args.ready_timeout)
         started.append(server)
+        if server.admin_key_generated:
+            print(f"[serve] operator key for Triton's model-repository, logging, trace and shared-memory APIs "
+                  f"(header {ADMIN_KEY_HEADER}; set OMNI_ADMIN_KEY to choose it): {server.admin_key}", flush=True)
         if args.openai_port:
-            front_door = FrontDoorProcess(_front_door_config(args))
+            front_door = FrontDoorProcess(_front_door_config(args, server.admin_key))
             print(f"[serve] starting the OpenAI front door on port {args.openai_port}", flush=True)
             front_door.start()
             started.append(front_door)

@@ -1,12 +1,20 @@
 """Start, wait for and stop a real tritonserver process (the binary laid out by `omni_backend.setup`).
 
-Used by `scripts/serve.sh` (through `omni_backend.serve`) and by the pytest fixture in `tests/conftest.py`.
+Used by `scripts/serve.sh` (through `python -m omni_backend.launch`) and by the pytest fixture in
+`tests/conftest.py`.
+
+The server's administrative APIs are closed to anonymous clients: `--http-restricted-api` and
+`--grpc-restricted-protocol` require the operator's key (HTTP header `omni-admin-key`; gRPC metadata
+`triton-grpc-protocol-omni-admin-key`, the prefix Triton 2.51 adds) for the model repository (load, unload, index), logging, trace and shared-memory registration (Triton's
+"Restricted APIs", docs/customization_guide/inference_protocols.md). Inference, metadata, model config, health
+and statistics stay open. The key is `OMNI_ADMIN_KEY`, else one generated for this server.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -18,6 +26,18 @@ from omni_backend import paths
 from omni_backend.ops.memory_env import memory_environment
 from omni_backend.setup import runtime as runtime_layout
 
+
+ADMIN_KEY_HEADER = "omni-admin-key"
+GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # the gRPC metadata key 2.51 checks
+
+
+def restricted_api_flags(admin_key: str) -> list[str]:
+    """tritonserver flags that close RESTRICTED_APIS over HTTP and gRPC to all but holders of `admin_key`
+    (Triton's `--http-restricted-api=<apis>:<header>=<value>`; docker/entrypoint.sh uses them too)."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={admin_key}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={admin_key}"]
+RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
 
 # Triton log lines: severity letter + MMDD, e.g. "E1130 12:20:40.581361 4748 model_lifecycle.cc:642] ...".
 _ERROR_LINE = re.compile(r"^E\d{4} ")
@@ -58,6 +78,8 @@ class TritonServer:
         log_verbose: `--log-verbose` level (0 = off).
         extra_args: more tritonserver flags, e.g. `["--model-control-mode=explicit", "--load-model=preprocess"]`.
         env: environment changes for the server and its stubs (a None value removes the variable).
+        admin_key: the operator's key for the restricted APIs (RESTRICTED_APIS); None: `OMNI_ADMIN_KEY`, else a
+            random one (`admin_key_generated` is then True; the caller shows it once).
     """
 
     def __init__(
@@ -72,6 +94,7 @@ class TritonServer:
         log_verbose: int = 0,
         extra_args: list[str] | tuple[str, ...] = (),
         env: dict[str, str | None] | None = None,
+        admin_key: str | None = None,
     ):
         self.model_repository = Path(model_repository).absolute()
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -81,6 +104,9 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.extra_args = list(extra_args)
         self.env_changes = dict(env or {})
+        configured = admin_key or os.environ.get("OMNI_ADMIN_KEY")
+        self.admin_key = configured or secrets.token_urlsafe(24)
+        self.admin_key_generated = not configured
         self.process: subprocess.Popen | None = None
 
     @property
@@ -109,6 +135,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
+            *restricted_api_flags(self.admin_key),
             *self.extra_args,
         ]
 

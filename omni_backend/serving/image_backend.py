@@ -1,0 +1,63 @@
+"""The `text2image` ensemble over gRPC (diffusion with dynamic batching -> png_encode;
+omni_backend/stages/diffusion.py), with the diffusion stage's limits read from its config on Triton, so the front
+door and the stage give the same answers."""
+
+from __future__ import annotations
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from omni_backend.serving import errors
+from omni_backend.serving.pipeline import TritonGrpcUser, infer_to_completion, numeric_array
+from omni_backend.stages.diffusion import ImageLimits
+
+ENSEMBLE = "text2image"
+STAGE = "diffusion"
+# The diffusion stage's tensors -> the OpenAI /v1/images/generations fields.
+_STAGE_FIELDS = {"width": "size", "height": "size"}
+
+
+class ImageBackend(TritonGrpcUser):
+    """The text2image ensemble over gRPC, with the diffusion stage's limits read from its config."""
+
+    def __init__(self, grpc_url: str):
+        super().__init__(grpc_url)
+        self._limits: ImageLimits | None = None
+
+    async def limits(self) -> ImageLimits:
+        if self._limits is None:
+            try:
+                config = (await self.client.get_model_config(STAGE, as_json=True))["config"]
+            except InferenceServerException as exc:
+                raise errors.unavailable(f"image generation is not available: {exc.message()}") from None
+            parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+            self._limits = ImageLimits.from_parameters(parameters)
+        return self._limits
+
+    async def generate(self, values: dict) -> tuple[bytes, int]:
+        """One image: (PNG bytes, seed used).
+
+        Raises:
+            OpenAIError: 400 naming the field for the stage's INVALID_ARG, 503/500 otherwise.
+        """
+        inputs = []
+        for name, datatype, value in (
+            ("prompt", "BYTES", values["prompt"].encode("utf-8")), ("width", "INT32", values["width"]),
+            ("height", "INT32", values["height"]), ("steps", "INT32", values["steps"]),
+            ("guidance_scale", "FP32", values["guidance_scale"]), ("seed", "INT64", values["seed"]),
+        ) + ((("negative_prompt", "BYTES", values["negative_prompt"].encode("utf-8")),)
+             if values.get("negative_prompt") is not None else ()):
+            if datatype == "BYTES":
+                array = np.array([[value]], dtype=np.object_)
+            else:  # a value beyond the tensor's type is a 400 (numpy would wrap a seed or steps into range)
+                array = numeric_array([value], datatype, _STAGE_FIELDS.get(name, name)).reshape(1, 1)
+            tensor = grpcclient.InferInput(name, [1, 1], datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            result = await infer_to_completion(self.client, ENSEMBLE, inputs)  # never cancelled: see there
+        except InferenceServerException as exc:
+            raise errors.from_triton(exc.message(), exc.status(), None,
+                                     lambda name: _STAGE_FIELDS.get(name, name)) from None
+        return bytes(result.as_numpy("png").reshape(-1)[0]), int(result.as_numpy("used_seed").reshape(-1)[0])

@@ -1,0 +1,133 @@
+"""Shaping a generation into OpenAI's answers: `chat.completion` / `text_completion` objects, and their streamed
+chunks as server-sent events (`chat.completion.chunk`, `text_completion`), then usage (if asked) and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from sse_starlette import ServerSentEvent
+
+from omni_backend.serving import protocol
+from omni_backend.serving.errors import OpenAIError
+from omni_backend.serving.generation import ChoiceResult, Generation, GenerationRequest
+
+SYSTEM_FINGERPRINT = "fp_omni_backend"
+
+
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """The postprocess stage's logprob entries as a chat choice's `logprobs` object."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
+def completion_logprobs(entries: list[dict], text_offset: int) -> dict:
+    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset.
+
+    Args:
+        entries: the postprocess stage's entries, in text order (a prompt's first token has logprob None and
+            no alternatives: nothing comes before it).
+        text_offset: character offset of the first entry's token in the choice's text.
+    """
+    tokens, logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for entry in entries:
+        tokens.append(entry["token"])
+        logprobs.append(entry["logprob"])
+        tops.append(None if entry["logprob"] is None else
+                    {top["token"]: top["logprob"] for top in entry.get("top_logprobs", [])})
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(request: GenerationRequest, prompt_tokens: list[int], completion_tokens: list[int]) -> dict:
+    """Usage over all choices (`prompt_tokens`/`completion_tokens` per choice): each prompt counted once, every
+    choice's completion tokens."""
+    return protocol.usage(sum(prompt_tokens[::request.n]), sum(completion_tokens))
+
+
+def completion_object(request: GenerationRequest, generation: Generation, results: list[ChoiceResult],
+                      request_id: str) -> dict:
+    """A non-streamed `chat.completion` or `text_completion` object."""
+    choices = []
+    for choice, result in zip(generation.choices, results):
+        if request.kind == "chat":
+            choices.append({"index": choice.index, "message": {"role": "assistant", "content": result.text},
+                            "logprobs": chat_logprobs(result.logprobs), "finish_reason": result.finish_reason})
+            continue
+        prefix = choice.prepared.prompt_text if request.echo else ""
+        logprobs = None
+        if request.logprobs is not None:
+            entries = (result.prompt_logprobs or []) if request.prompt_logprobs else []
+            logprobs = completion_logprobs(entries + (result.logprobs or []), 0 if entries else len(prefix))
+        choices.append({"index": choice.index, "text": prefix + result.text, "logprobs": logprobs,
+                        "finish_reason": result.finish_reason})
+    return {"id": request_id, "object": "chat.completion" if request.kind == "chat" else "text_completion",
+            "created": protocol.now(), "model": request.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+            "usage": usage(request, [r.prompt_tokens for r in results], [r.completion_tokens for r in results])}
+
+
+async def stream_events(request: GenerationRequest, generation: Generation, request_id: str) -> AsyncIterator:
+    """Server-sent events for a streamed answer: one chunk per delta, then usage (if asked), then [DONE].
+
+    An error after the first chunk is sent as an `{"error": ...}` event (the status line is already out).
+    """
+    created = protocol.now()
+    chat = request.kind == "chat"
+    object_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict], **extra) -> ServerSentEvent:
+        body = {"id": request_id, "object": object_name, "created": created, "model": request.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+        if request.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return ServerSentEvent(json.dumps(body, ensure_ascii=False))
+
+    completion_tokens = {c.index: 0 for c in generation.choices}
+    prompt_tokens = {c.index: c.prepared.prompt_tokens for c in generation.choices}
+    text_offset = {c.index: 0 for c in generation.choices}
+    echoed = {c.index: not request.echo for c in generation.choices}
+    try:
+        if chat:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for c in generation.choices])
+        async for choice, step in generation.merged():
+            i = choice.index
+            completion_tokens[i] = step.completion_tokens
+            if step.finish_reason and step.prompt_tokens:
+                prompt_tokens[i] = step.prompt_tokens
+            if chat:
+                if step.text or step.logprobs:
+                    yield chunk([{"index": i, "delta": {"content": step.text},
+                                  "logprobs": chat_logprobs(step.logprobs), "finish_reason": None}])
+                if step.finish_reason:
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": step.finish_reason}])
+                continue
+            if not echoed[i]:  # the prompt first, with its own logprobs when asked
+                echoed[i] = True
+                prompt_text = choice.prepared.prompt_text
+                logprobs = (completion_logprobs(step.prompt_logprobs or [], 0)
+                            if request.prompt_logprobs else None)
+                text_offset[i] = len(prompt_text)
+                yield chunk([{"index": i, "text": prompt_text, "logprobs": logprobs, "finish_reason": None}])
+            if step.text or step.logprobs:
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(step.logprobs or [], text_offset[i])
+                text_offset[i] += len(step.text)
+                yield chunk([{"index": i, "text": step.text, "logprobs": logprobs, "finish_reason": None}])
+            if step.finish_reason:
+                yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": step.finish_reason}])
+        if request.include_usage:
+            indices = sorted(prompt_tokens)
+            yield chunk([], usage=usage(request, [prompt_tokens[i] for i in indices],
+                                        [completion_tokens[i] for i in indices]))
+        yield ServerSentEvent("[DONE]")
+    except OpenAIError as exc:
+        yield ServerSentEvent(json.dumps(exc.body()))
+        yield ServerSentEvent("[DONE]")
+    finally:
+        await generation.close()

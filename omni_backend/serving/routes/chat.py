@@ -1,0 +1,78 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions` (and a clear 400 for the OpenAI endpoints not served).
+
+Each route reads the body, finds the served model, validates the OpenAI request into a GenerationRequest
+(serving/protocol.py), runs it (serving/generation.py) and shapes the answer (serving/responses.py). A chat
+request asking for audio output is served by routes/speech.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from omni_backend.serving import protocol
+from omni_backend.serving.admission import run_admitted
+from omni_backend.serving.errors import invalid
+from omni_backend.serving.front_door import FrontDoor, door_of, require_api_key
+from omni_backend.serving.generation import Generation, GenerationRequest, collect
+from omni_backend.serving.pipeline import TritonPipeline
+from omni_backend.serving.request_body import read_json
+from omni_backend.serving.responses import completion_object, stream_events
+from omni_backend.serving.routes.speech import chat_with_audio, wants_audio
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    door = door_of(request)
+    body = await read_json(request, door.config.max_body_bytes)
+    pipeline = door.pipeline_for(body)
+    if wants_audio(body):
+        return await chat_with_audio(request, door, body, pipeline)
+    parsed = protocol.parse_request(protocol.ChatCompletionRequest, body)
+    return await serve(request, door, pipeline, parsed.generation(), "/v1/chat/completions")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    door = door_of(request)
+    body = await read_json(request, door.config.max_body_bytes)
+    pipeline = door.pipeline_for(body)
+    parsed = protocol.parse_request(protocol.CompletionRequest, body)
+    return await serve(request, door, pipeline, parsed.generation(), "/v1/completions")
+
+
+@router.post("/v1/audio/transcriptions")
+@router.post("/v1/embeddings")
+async def not_served(request: Request):
+    door = door_of(request)
+    body = await read_json(request, door.config.max_body_bytes)
+    if door.pipeline_for(body) is None:
+        raise invalid("'model' is a required property", "model")
+    raise invalid(f"The model `{body['model']}` does not support {request.url.path}", "model", "model_not_supported")
+
+
+async def serve(request: Request, door: FrontDoor, pipeline: TritonPipeline, generation_request: GenerationRequest,
+                endpoint: str) -> Response:
+    """Run `generation_request` holding an admission slot: an SSE stream, or one JSON answer."""
+    started = time.monotonic()
+    request_id = protocol.new_id("chatcmpl" if generation_request.kind == "chat" else "cmpl")
+    generation = Generation(pipeline, generation_request, request_id)
+
+    async def start() -> None:
+        await generation.start()
+        door.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
+
+    if generation_request.stream:
+        return await run_admitted(door, request, generation, start,
+                                  stream_events=stream_events(generation_request, generation, request_id))
+    results = await run_admitted(door, request, generation, start, collect=lambda: collect(generation))
+    if isinstance(results, Response):
+        return results
+    answer = completion_object(generation_request, generation, results, request_id)
+    door.metrics.prompt_tokens.inc(answer["usage"]["prompt_tokens"])
+    door.metrics.completion_tokens.inc(answer["usage"]["completion_tokens"])
+    return JSONResponse(answer)

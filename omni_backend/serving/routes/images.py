@@ -1,0 +1,94 @@
+"""`POST /v1/images/generations` over the `text2image` ensemble (serving/image_backend.py).
+
+Fields: `prompt` (required), `n` (1..10; each image is its own Triton request, so the diffusion stage's dynamic
+batcher runs them, and concurrent clients' requests, together), `size` ("WIDTHxHEIGHT", one of the sizes the
+diffusion model's config allows; default its `default_size`), `response_format` (`b64_json` only: no image is
+stored to serve a URL from), and as extensions `seed` (image i of n uses seed + i), `steps`, `guidance_scale`
+and `negative_prompt`. `null` means the default for every optional field. The limits are read from the
+diffusion model's config on Triton, so the front door and the stage give the same answers; every request
+carries the same set of inputs so any two can batch together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+
+from fastapi import APIRouter, Depends, Request
+
+from omni_backend.serving import errors, protocol
+from omni_backend.serving.errors import invalid
+from omni_backend.serving.front_door import door_of, require_api_key
+from omni_backend.serving.request_body import read_json
+from omni_backend.stages.diffusion import MAX_SEED, format_size, parse_size
+
+IMAGE_MODEL_NAMES = ("text2image", "dall-e-2", "dall-e-3", "gpt-image-1")
+MAX_N = 10
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _number(body: dict, name: str, kind: type, default):
+    """`body[name]` as a `kind` (int: a JSON integer; float: any JSON number), `default` when absent or null.
+
+    Raises:
+        OpenAIError: 400 naming the field for another type or a non-finite number.
+    """
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise invalid(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+    if kind is float and not math.isfinite(value):
+        raise invalid(f"{name} must be a finite number", name)
+    return kind(value)
+
+
+@router.post("/v1/images/generations")
+async def create_images(request: Request):
+    door = door_of(request)
+    backend = door.images
+    body = await read_json(request, door.config.max_body_bytes)
+    door.check_model(body, IMAGE_MODEL_NAMES)
+    prompt = errors.required_text(body, "prompt")
+    limits = await backend.limits()
+    size = body.get("size")
+    if size is None or size == "auto":
+        width, height = limits.default_size
+    else:
+        allowed = ", ".join(limits.size_names)
+        try:
+            width, height = parse_size(size if isinstance(size, str) else "")
+        except ValueError:
+            raise invalid(f"size {size!r} is not valid; supported sizes: {allowed}", "size") from None
+        if (width, height) not in limits.sizes:
+            raise invalid(f"size {format_size((width, height))} is not supported; supported sizes: {allowed}",
+                          "size")
+    n = _number(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    if body.get("response_format") not in (None, "b64_json"):
+        raise invalid("response_format: only 'b64_json' is supported (no image is stored to serve a URL)",
+                      "response_format")
+    steps = _number(body, "steps", int, limits.default_steps)
+    guidance = _number(body, "guidance_scale", float, limits.default_guidance)
+    seed = _number(body, "seed", int, None)
+    if seed is not None and not 0 <= seed <= MAX_SEED - MAX_N:
+        raise invalid(f"seed must be between 0 and {MAX_SEED - MAX_N}", "seed")
+    negative = body.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        raise invalid("negative_prompt must be a string", "negative_prompt")
+
+    values = [{"prompt": prompt, "width": width, "height": height, "steps": steps, "guidance_scale": guidance,
+               "seed": -1 if seed is None else seed + i, "negative_prompt": negative} for i in range(n)]
+    async with door.admitted():
+        results = await asyncio.gather(*(backend.generate(v) for v in values), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return {"created": protocol.now(),
+            "data": [{"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None, "seed": used}
+                     for png, used in results]}
+
+

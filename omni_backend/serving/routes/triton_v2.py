@@ -1,0 +1,195 @@
+"""`/v2/*`: Triton's HTTP (KServe v2) API through the front door's port: an allow-list, typed bodies, clear errors.
+
+Open to every client (with the API key when one is set; health needs none): health (`/v2/health/live|ready`),
+server and model metadata, model config and readiness, and inference (`infer`, `generate`, `generate_stream`).
+Everything else (the model repository, logging, trace, shared memory, statistics) needs the operator's key in
+the `omni-admin-key` header, the key tritonserver itself requires for those APIs (`--http-restricted-api`,
+see omni_backend/launch/tritonserver.py); without it the answer is 403.
+
+Fixed on the way through (Triton 2.51 defects):
+- `POST /v2/models/<m>/generate[_stream]` bodies are checked against the model's input types before Triton
+  parses them: Triton's JSON parser casts an INT32 value of 4294967304 to 8 and serves it, and answers a string
+  where a number belongs with 500 "Unable to parse 'data'". Here every input gets its datatype's range
+  (`vocabulary.tensor_value_problem`), and a generation setting also SamplingParams' range
+  (`vocabulary.SAMPLING_FIELDS`): a 400 naming the input and what it takes.
+- `POST /v2/models/<m>/infer` on a decoupled model (or an ensemble holding one) answers 501 with a message that
+  does not say what to do instead; here it is a 400 that names the ways that work.
+- `POST /v2/models/<m>/generate` answers an error with HTTP 200 when the model sends several responses (e.g.
+  `"stream": true`), and a decoupled model's error with 400 whatever it was (2.51 passes only its message on):
+  here the `{"error": ...}` body keeps Triton's shape and gets the status of the error's kind
+  (`errors.from_triton`: 400, 429/503 with Retry-After, 500).
+Bodies may be gzip/deflate-compressed (`Content-Encoding`); they are forwarded decoded.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+
+import aiohttp
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from tritonclient.utils import InferenceServerException
+
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
+from omni_backend.serving import errors
+from omni_backend.serving.errors import OpenAIError
+from omni_backend.serving.front_door import FrontDoor, door_of, require_api_key
+from omni_backend.serving.request_body import parse_json_object, read_body
+from omni_backend.vocabulary import BY_TENSOR, StageError, tensor_value_problem
+
+_MODEL = r"models/(?P<model>[^/]+)(?:/versions/[^/]+)?"
+_OPEN = {  # method -> paths (relative to /v2/) any client may use
+    "GET": re.compile(rf"^(|health/(live|ready)|{_MODEL}(/config|/ready)?)$"),
+    "POST": re.compile(rf"^{_MODEL}/(?P<action>infer|generate|generate_stream)$"),
+}
+_FORWARDED_HEADERS = ("content-type", "accept", "inference-header-content-length", ADMIN_KEY_HEADER)
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+router = APIRouter()
+
+
+def _triton_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    """An error in Triton's own shape, `{"error": message}`."""
+    return JSONResponse(status_code=status, content={"error": message}, headers=headers)
+
+
+@router.api_route("/v2/health/{kind}", methods=["GET", "HEAD"])
+async def health(kind: str, request: Request) -> Response:
+    return await forward(f"health/{kind}", request)
+
+
+@router.api_route("/v2", methods=["GET", "HEAD"], dependencies=[Depends(require_api_key)])
+async def server_metadata(request: Request) -> Response:
+    return await forward("", request)
+
+
+@router.api_route("/v2/{path:path}", methods=["GET", "HEAD", "POST"], dependencies=[Depends(require_api_key)])
+async def forward(path: str, request: Request) -> Response:
+    door = door_of(request)
+    method = "GET" if request.method == "HEAD" else request.method
+    match = _OPEN.get(method, re.compile("$^")).match(path)
+    if match is None and not _is_operator(door, request):
+        return _triton_error(403, f"{request.method} /v2/{path} is not open on this port: inference, generate, "
+                             f"model metadata/config, health and ready are; the rest needs the operator's key in "
+                             f"the '{ADMIN_KEY_HEADER}' header")
+    action = match["action"] if match is not None and method == "POST" else None
+    if action == "infer" and await _is_decoupled(door, match["model"]):
+        model = match["model"]
+        return _triton_error(400, f"model '{model}' is decoupled (it answers with a stream of responses), which "
+                             f"HTTP /infer cannot carry: use gRPC streaming (ModelStreamInfer), POST "
+                             f"/v2/models/{model}/generate_stream, or the OpenAI endpoints /v1/chat/completions "
+                             "and /v1/completions")
+    try:
+        body = await read_body(request, door.config.max_body_bytes)
+        if action in ("generate", "generate_stream"):
+            await _check_generate_body(door, match["model"], body)
+    except OpenAIError as exc:
+        return _triton_error(exc.status, exc.message)
+    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+    try:
+        upstream = await door.http().request(method, f"http://{door.config.triton_http}/v2/{path}",
+                                             params=request.query_params, data=body, headers=headers)
+    except (aiohttp.ClientError, OSError) as exc:
+        return _triton_error(503, f"Triton HTTP endpoint unreachable: {type(exc).__name__}", {"Retry-After": "1"})
+    passed = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+    if action == "generate_stream" and request.method != "HEAD":
+        async def body_chunks():
+            try:
+                async for chunk in upstream.content.iter_any():
+                    yield chunk
+            finally:
+                upstream.release()
+
+        return StreamingResponse(body_chunks(), status_code=upstream.status, headers=passed)
+    data = await upstream.read()
+    upstream.release()
+    if action == "generate":
+        error = _generate_error(upstream.status, data, match["model"])
+        if error is not None:
+            return error
+    return Response(content=b"" if request.method == "HEAD" else data, status_code=upstream.status, headers=passed)
+
+
+def _is_operator(door: FrontDoor, request: Request) -> bool:
+    """The request carries the operator's key (none configured: nobody is the operator here)."""
+    key = door.config.admin_key
+    given = request.headers.get(ADMIN_KEY_HEADER)
+    return bool(key) and given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+async def _model_config(door: FrontDoor, model: str) -> dict | None:
+    """The model's config from Triton (kept once read), None for a model Triton does not know."""
+    if model not in door.model_configs:
+        client = next(iter(door.pipelines.values())).client
+        try:
+            door.model_configs[model] = (await client.get_model_config(model, as_json=True))["config"]
+        except InferenceServerException:
+            return None
+    return door.model_configs[model]
+
+
+async def _is_decoupled(door: FrontDoor, model: str) -> bool:
+    """True for a decoupled model or an ensemble with a decoupled step (what Triton's /infer refuses)."""
+    config = await _model_config(door, model)
+    if config is None:
+        return False  # unknown model: Triton's own answer says so
+    if config.get("model_transaction_policy", {}).get("decoupled"):
+        return True
+    for step in config.get("ensemble_scheduling", {}).get("step", []):
+        if await _is_decoupled(door, step["model_name"]):
+            return True
+    return False
+
+
+async def _check_generate_body(door: FrontDoor, model: str, body: bytes) -> None:
+    """Check a `/generate` body's inputs against the model's input types (see the module docstring).
+
+    Raises:
+        OpenAIError: 400 naming the first required input missing or the first input whose value its type (or
+            its setting's range) does not take, or for a body that is not a JSON object.
+    """
+    values = parse_json_object(body)
+    config = await _model_config(door, model)
+    if config is None:
+        return  # Triton answers an unknown model itself
+    for spec in config.get("input", []):
+        name = spec["name"]
+        if name not in values:
+            if not spec.get("optional"):  # 2.51 checks only the count of an ensemble's inputs
+                raise errors.invalid(f"{name} is required (an input of model '{model}')", name)
+            continue
+        datatype = spec["data_type"].removeprefix("TYPE_").replace("STRING", "BYTES")
+        setting = BY_TENSOR.get(name)
+        for value in _elements(values[name]):
+            problem = setting.problem(value) if setting is not None else tensor_value_problem(datatype, value)
+            if problem is not None:
+                raise errors.invalid(f"{name} {problem}", name)
+
+
+def _elements(value) -> list:
+    """The scalars of a JSON value given for a tensor (a scalar, or nested lists of them)."""
+    if isinstance(value, list):
+        return [item for inner in value for item in _elements(inner)]
+    return [value]
+
+
+def _generate_error(upstream_status: int, data: bytes, model: str) -> JSONResponse | None:
+    """The answer for an `{"error": ...}` body of Triton's `/generate` (see the module docstring), None for a
+    body without one."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or "error" not in parsed:
+        return None
+    message = str(parsed["error"])
+    if "exactly 1 response" in message:  # the model sent several responses (a stream) to /generate
+        return _triton_error(400, f"{message}: POST /v2/models/{model}/generate_stream sends each response as a "
+                             "server-sent event")
+    error = errors.from_triton(message, None, "text_input", lambda field: field)
+    status = error.status
+    if status == 500 and StageError.parse(message) is None and upstream_status != 200:
+        status = upstream_status  # Triton's own words (a missing input, an unknown model): its status stands
+    return JSONResponse(status_code=status, content=parsed, headers=error.headers())

@@ -1,0 +1,70 @@
+"""The `tts` stage over gRPC (omni_backend/stages/tts.py): text in, (phrase, samples, sample rate) per phrase out."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from omni_backend.serving import errors
+from omni_backend.serving.pipeline import TritonGrpcUser
+from omni_backend.stages.tts_options import SpeechOptions
+
+TTS_MODEL = "tts"
+# The tts stage's fields -> the OpenAI /v1/audio/speech fields (its `text` is named by the caller).
+_OPTION_FIELDS = {"options.voice": "voice", "options.audio_format": "response_format", "options.speed": "speed"}
+
+
+class SpeechBackend(TritonGrpcUser):
+    """Self-contained tts requests: one gRPC stream per piece of text, one response per phrase."""
+
+    def __init__(self, grpc_url: str, model: str = TTS_MODEL):
+        super().__init__(grpc_url)
+        self.model = model
+
+    async def phrases(self, text: str, options: SpeechOptions, field: str = "input",
+                      request_id: str = "") -> AsyncIterator[tuple[str, np.ndarray, int]]:
+        """Speak `text`; yields (phrase, int16 samples, sample rate) in order.
+
+        Closing the iterator early cancels the request.
+
+        Raises:
+            OpenAIError: 400 for the stage's INVALID_ARGUMENT (naming `field` for the text), 503/500 otherwise.
+        """
+        tensors = []
+        for name, value in (("text", text), ("options", options.to_json())):
+            tensor = grpcclient.InferInput(name, [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
+            tensors.append(tensor)
+
+        async def one_request():
+            yield {"model_name": self.model, "inputs": tensors, "request_id": request_id}
+
+        stream = self.client.stream_infer(one_request())
+        finished = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    finished = True
+                    raise errors.from_triton(error.message(), None, None,
+                                             lambda name: field if name == "text" else _OPTION_FIELDS.get(name, name))
+                phrase = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
+                samples = result.as_numpy("audio").reshape(-1).astype(np.int16)
+                rate = int(result.as_numpy("sample_rate").reshape(-1)[0])
+                finished = bool(result.as_numpy("finish_reason").reshape(-1)[0])
+                yield phrase, samples, rate
+                if finished:
+                    return
+            finished = True
+            raise errors.internal(f"the {self.model} stream ended before its final response")
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def speak(self, text: str, options: SpeechOptions, field: str = "input") -> tuple[np.ndarray, int]:
+        """The whole audio of `text`: (int16 samples, sample rate)."""
+        pieces, rate = [], 0
+        async for _, samples, rate in self.phrases(text, options, field):
+            pieces.append(samples)
+        return (np.concatenate(pieces) if pieces else np.zeros(0, np.int16)), rate

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this sample greedily (vLLM's SamplingParams uses the same 1e-5, _SAMPLING_EPS): logits / T
+# overflows float32 to inf for a tiny T (1e-38), and the softmax of an inf row is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class SamplingParams:
 
     Attributes:
         max_tokens: number of new tokens to generate (tokens).
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 (or below GREEDY_TEMPERATURE) means greedy (argmax).
         top_p: nucleus sampling mass.
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below min_p * p_max; 0 disables.
@@ -118,8 +121,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax: top_k 1, or a temperature below GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Check every field's type and range.

@@ -73,6 +73,15 @@ def test_top_k_1_equals_greedy(engine):
     assert greedy.token_ids == top1.token_ids
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(engine):
+    """1.1e-38 (found by the fuzz test) made logits / T overflow to inf and the step fail; below 1e-5 is greedy."""
+    prompt = _chat(engine, "Name three fruits.")
+    greedy, tiny = engine.generate([prompt, prompt], [SamplingParams(max_tokens=16, temperature=0.0),
+                                                      SamplingParams(max_tokens=16, temperature=1.1313586865527403e-38)])
+    assert (tiny.token_ids, tiny.finish_reason) == (greedy.token_ids, greedy.finish_reason)
+    assert SamplingParams(temperature=1e-5).greedy is False
+
+
 def test_sampler_respects_top_k_top_p_min_p():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(1000, 1)
     sampler = Sampler()

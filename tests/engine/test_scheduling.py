@@ -1,4 +1,5 @@
-"""Continuous batching, preemption by recompute, admission limits, cancellation and the block-table pool."""
+"""Continuous batching, preemption by recompute, admission limits, cancellation and the block-table pool, through
+the engine (the policy itself, without a model: test_scheduler_policy.py)."""
 
 from __future__ import annotations
 
@@ -88,14 +89,17 @@ def test_requests_join_a_running_batch(qwen_engine_factory):
     assert [tokens["first"], tokens["second"]] == alone
 
 
-def test_fifo_admission_does_not_let_later_requests_overtake(qwen_engine_factory):
-    engine = qwen_engine_factory(num_kv_blocks=5, max_num_batched_tokens=512)
-    engine.add_request("running", [7] * 48, SamplingParams(max_tokens=8, ignore_eos=True))  # 3 of 5 blocks
+def test_a_request_that_fits_overtakes_one_that_does_not(qwen_engine_factory):
+    """6 blocks, 1 kept free: "running" holds 4 (48 tokens and its next token's slot). "big" needs 4 and waits;
+    "small" arrived after it, needs 1 and runs, since "big" would not fit even without it (scheduler.py, 3.)."""
+    engine = qwen_engine_factory(num_kv_blocks=6, max_num_batched_tokens=512)
+    engine.add_request("running", [7] * 48, SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()
-    engine.add_request("big", [7] * 48, SamplingParams(max_tokens=8, ignore_eos=True))  # needs 3, 2 free
-    engine.add_request("small", [7] * 4, SamplingParams(max_tokens=2, ignore_eos=True))  # would fit in 1
+    engine.add_request("big", [7] * 48, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("small", [7] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
     batch = engine.scheduler.schedule()
-    assert [s.request_id for s in batch.seqs] == ["running"]  # small waits behind big: no overtaking
+    assert [s.request_id for s in batch.seqs] == ["small", "running"]  # prefill chunks first, then decodes
+    assert [s.request_id for s in engine.scheduler.waiting] == ["big"]
 
 
 def test_block_table_pool_is_updated_in_place():

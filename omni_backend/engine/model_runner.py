@@ -34,7 +34,7 @@ from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
-from omni_backend.ops.hardware import runtime_versions, select_attention_backend, select_dtype
+from omni_backend.ops.hardware import cpu_engine_threads, runtime_versions, select_attention_backend, select_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class ModelRunner:
         self.config = config
         self.device = Device(config.device)
         self.device.bind_thread()
+        if not self.device.is_cuda:
+            threads = cpu_engine_threads(config.cpu_threads)
+            torch.set_num_threads(threads)
+            logger.info("CPU engine: %d torch thread(s) (cpu_threads %s)", threads, config.cpu_threads or "auto")
         hf_config = AutoConfig.from_pretrained(config.model_path)
         architecture = (hf_config.architectures or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:

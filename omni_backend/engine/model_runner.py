@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
 from kernels.paged_decode_cpu import CpuKernelUnavailable
 from omni_backend import paths
+from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention, self_test
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
@@ -164,6 +165,13 @@ class ModelRunner:
         model = model.to(self.dtype).to_empty(device=self.device.torch_device)
         model.place_rope_cache(self.device.torch_device)
         model.load_weights(self.config.model_path)
+        if not self.device.is_cuda:
+            if cpu_linear.packing_available():
+                model.pack_for_cpu(self.config.max_num_seqs)
+                logger.info("CPU matmuls: oneDNN weights packed for %d rows", self.config.max_num_seqs)
+            else:
+                logger.warning("CPU matmuls: this torch lacks oneDNN's linear reorder, weights stay unpacked "
+                               "(slower decode steps)")
         return model.eval()
 
     def _graphs_wanted(self) -> bool:

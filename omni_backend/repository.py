@@ -21,6 +21,8 @@ Settings (placeholder name, environment variable, default):
     dtype              OMNI_DTYPE              auto
     attention_backend  OMNI_ATTENTION_BACKEND  auto
     enforce_eager      OMNI_ENFORCE_EAGER      false (true: never capture CUDA graphs)
+    cpu_threads        OMNI_CPU_THREADS        0: a CPU llm engine's torch threads are the usable cores - 1 (at
+                                               least 1), a core left for tritonserver and the front door
     gpu_memory_utilization OMNI_GPU_MEMORY_UTILIZATION 0.75 of each GPU for its llm engine (weights,
                                                activations, CUDA graphs, KV cache)
     encoder_gpu_memory_fraction OMNI_ENCODER_GPU_MEMORY_FRACTION 0.04 of the GPU for each media encoder
@@ -73,6 +75,7 @@ class Settings:
         dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
         attention_backend: "auto", "cpu", "torch" or "triton".
         enforce_eager: never capture CUDA graphs.
+        cpu_threads: torch threads of a CPU llm engine (0: usable cores - 1, at least 1).
         gpu_memory_utilization: share of each GPU's memory its llm engine may use, in (0, 1].
         encoder_gpu_memory_fraction, diffusion_gpu_memory_fraction: the other GPU stages' shares, in (0, 1].
         diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
@@ -89,6 +92,7 @@ class Settings:
     dtype: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cpu_threads: int = 0
     gpu_memory_utilization: float = 0.75
     encoder_gpu_memory_fraction: float = 0.04
     diffusion_gpu_memory_fraction: float = 0.08
@@ -102,7 +106,7 @@ class Settings:
             self.diffusion_model_path = _default_diffusion_model_path()
         self.diffusion_model_path = str(Path(self.diffusion_model_path).expanduser().absolute())
         positive = ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens")
-        for name in positive + ("max_queued_requests", "kv_cache_bytes"):
+        for name in positive + ("max_queued_requests", "kv_cache_bytes", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:

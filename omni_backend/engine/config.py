@@ -28,6 +28,8 @@ class EngineConfig:
         max_model_len: longest prompt + completion, tokens (capped by the model's max positions).
         attention_backend: "auto", "cpu", "torch" or "triton" (see `omni_backend.engine.attention`).
         enforce_eager: never capture CUDA graphs.
+        cpu_threads: torch intra-op threads of a CPU engine (the whole process); 0: usable cores - 1, at least 1
+            (`ops.hardware.cpu_engine_threads`). Ignored on a GPU.
     """
 
     model_path: str
@@ -42,6 +44,7 @@ class EngineConfig:
     max_model_len: int = 2048
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -52,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")

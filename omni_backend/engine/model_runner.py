@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
 from kernels.paged_decode_cpu import CpuKernelUnavailable
 from omni_backend import paths
+from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention, self_test
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
@@ -34,7 +35,7 @@ from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
-from omni_backend.ops.hardware import runtime_versions, select_attention_backend, select_dtype
+from omni_backend.ops.hardware import cpu_engine_threads, runtime_versions, select_attention_backend, select_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class ModelRunner:
         self.config = config
         self.device = Device(config.device)
         self.device.bind_thread()
+        if not self.device.is_cuda:
+            threads = cpu_engine_threads(config.cpu_threads)
+            torch.set_num_threads(threads)
+            logger.info("CPU engine: %d torch thread(s) (cpu_threads %s)", threads, config.cpu_threads or "auto")
         hf_config = AutoConfig.from_pretrained(config.model_path)
         architecture = (hf_config.architectures or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -160,6 +165,13 @@ class ModelRunner:
         model = model.to(self.dtype).to_empty(device=self.device.torch_device)
         model.place_rope_cache(self.device.torch_device)
         model.load_weights(self.config.model_path)
+        if not self.device.is_cuda:
+            if cpu_linear.packing_available():
+                model.pack_for_cpu(self.config.max_num_seqs)
+                logger.info("CPU matmuls: oneDNN weights packed for %d rows", self.config.max_num_seqs)
+            else:
+                logger.warning("CPU matmuls: this torch lacks oneDNN's linear reorder, weights stay unpacked "
+                               "(slower decode steps)")
         return model.eval()
 
     def _graphs_wanted(self) -> bool:

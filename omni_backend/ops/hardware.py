@@ -48,6 +48,33 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     return False
 
 
+def usable_cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, as a container's cpuset sets it)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_engine_threads(requested: int, cores: int | None = None) -> int:
+    """Torch intra-op threads for a CPU engine step.
+
+    Args:
+        requested: threads wanted; 0: automatic.
+        cores: usable cores (default: `usable_cpu_cores()`).
+
+    Automatic is one core fewer than usable (at least 1): the engine's OpenMP team waits at a barrier after every
+    op for its slowest thread, so when tritonserver, the front door, the response thread or a benchmark client
+    takes one of its cores, every op waits for a time slice; measured in docs/benchmarks.md ("CPU threads").
+    vLLM's CPU build also leaves a core for its API server.
+
+    Raises:
+        ValueError: `requested` < 0.
+    """
+    if requested < 0:
+        raise ValueError(f"cpu_threads must be >= 0, got {requested}")
+    if requested:
+        return requested
+    return max(1, (cores if cores is not None else usable_cpu_cores()) - 1)
+
+
 def compute_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device, None for CPU."""
     if device.type != "cuda":

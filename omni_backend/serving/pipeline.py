@@ -8,7 +8,9 @@ runs the ensemble's own steps itself, wired exactly as the ensemble's config say
 
     preprocess  one unary call: prompt + settings -> token ids + sampling params (errors carry a gRPC status)
     llm         one gRPC stream per request, cancelled when the HTTP client goes away
-    postprocess one unary call per llm response, as the ensemble would (logprob ids -> token strings/bytes)
+    postprocess one unary call per llm response that carries logprobs (logprob ids -> token strings/bytes);
+                the stage passes everything else through unchanged, so a response without logprobs skips
+                the round trip (one per token per request: at concurrency 32 they took CPU from the engine)
 
 The wiring (which model is which step, which tensor feeds which input, the preprocess input types, the
 context length) is read from Triton's model configs, not hard-coded.
@@ -367,7 +369,10 @@ class TritonPipeline(TritonGrpcUser):
                     if array is not None:
                         outputs[tensor] = array
                 if info.postprocess is not None:
-                    outputs = await self._postprocess(info.postprocess, outputs, prompt_field, request_id)
+                    if _carries_logprobs(info.postprocess, outputs):
+                        outputs = await self._postprocess(info.postprocess, outputs, prompt_field, request_id)
+                    else:
+                        outputs = _passed_through(info.postprocess, outputs)
                 step = self._step(outputs)
                 finished = bool(step.finish_reason)
                 yield step
@@ -443,6 +448,21 @@ class TritonPipeline(TritonGrpcUser):
             logprobs=_json_list(outputs, "output_logprobs"),
             prompt_logprobs=_json_list(outputs, "prompt_token_logprobs"),
         )
+
+
+# postprocess inputs that it rewrites; it passes its other inputs through (omni_backend/stages/postprocess.py)
+POSTPROCESS_REWRITES = ("output_logprobs", "prompt_token_logprobs")
+
+
+def _carries_logprobs(postprocess: StepWiring, outputs: dict) -> bool:
+    """Whether an llm response has logprob entries for postprocess to rewrite ("" or absent when not asked)."""
+    return any(_scalar(outputs.get(postprocess.inputs.get(name)), "") for name in POSTPROCESS_REWRITES)
+
+
+def _passed_through(postprocess: StepWiring, outputs: dict) -> dict:
+    """What postprocess returns for a response without logprobs: each input, under its output's tensor name."""
+    return {postprocess.outputs[name]: outputs[postprocess.inputs[name]] for name in postprocess.outputs
+            if postprocess.inputs.get(name) in outputs}
 
 
 def _json_list(outputs: dict, name: str) -> list[dict] | None:

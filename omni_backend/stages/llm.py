@@ -190,7 +190,7 @@ def engine_config_from_parameters(parameters: dict[str, str], device: str) -> En
     p = dict(parameters)
     p.pop("device", None)
     ints = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "num_kv_blocks")
+            "num_kv_blocks", "cpu_threads")
     values: dict = {"model_path": p.pop("model_path"), "device": device}
     for key in ints:
         if p.get(key) not in (None, ""):

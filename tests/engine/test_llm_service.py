@@ -132,13 +132,17 @@ def test_engine_config_from_triton_parameters(tiny_qwen2_path):
         "model_path": tiny_qwen2_path, "device": "auto", "dtype": "float32", "block_size": "32",
         "kv_cache_bytes": "1048576", "max_num_seqs": "4", "max_num_batched_tokens": "64",
         "max_model_len": "256", "attention_backend": "auto", "gpu_memory_utilization": "0.5",
-        "enforce_eager": "true"}, device="cuda:1")
+        "enforce_eager": "true", "cpu_threads": "3"}, device="cuda:1")
     assert (config.device, config.block_size, config.kv_cache_bytes, config.max_num_seqs, config.max_model_len,
-            config.gpu_memory_utilization, config.enforce_eager) == ("cuda:1", 32, 1048576, 4, 256, 0.5, True)
-    default = engine_config_from_parameters({"model_path": "x", "kv_cache_bytes": "0"}, device="cpu")
+            config.gpu_memory_utilization, config.enforce_eager, config.cpu_threads) == (
+        "cuda:1", 32, 1048576, 4, 256, 0.5, True, 3)
+    default = engine_config_from_parameters({"model_path": "x", "kv_cache_bytes": "0", "cpu_threads": "0"},
+                                            device="cpu")
     assert default.kv_cache_bytes is None  # 0: the device's default (engine/memory.py)
-    with pytest.raises(ValueError):
-        engine_config_from_parameters({"model_path": "x", "block_size": "sixteen"}, device="cpu")
+    assert default.cpu_threads == 0  # 0: automatic (ops.hardware.cpu_engine_threads)
+    for bad in ({"block_size": "sixteen"}, {"cpu_threads": "-1"}):
+        with pytest.raises(ValueError):
+            engine_config_from_parameters({"model_path": "x", **bad}, device="cpu")
 
 
 def test_each_kind_gpu_instance_takes_its_own_gpu():

@@ -173,3 +173,13 @@ def test_gpu_memory_budget_is_checked_and_does_nothing_on_cpu():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="llm: the GPU memory fraction must be in"):
             apply_gpu_memory_budget("cpu", bad, "llm")
+
+
+@pytest.mark.parametrize("requested,cores,threads", [(0, 2, 1), (0, 1, 1), (0, 16, 15), (3, 2, 3), (1, 16, 1)])
+def test_cpu_engine_threads_leave_one_core_for_the_server(requested, cores, threads):
+    assert hardware.cpu_engine_threads(requested, cores) == threads
+
+
+def test_cpu_engine_threads_refuse_a_negative_count():
+    with pytest.raises(ValueError, match="cpu_threads"):
+        hardware.cpu_engine_threads(-1, 4)

@@ -117,6 +117,27 @@ def test_logprobs_chat_and_completions(openai_client):
     assert logprobs.text_offset[0] == 0
 
 
+def postprocess_requests(triton_server) -> int:
+    """Requests the postprocess stage has executed (Triton's statistics extension)."""
+    stats = grpcclient.InferenceServerClient(triton_server.grpc_url).get_inference_statistics("postprocess",
+                                                                                              as_json=True)
+    return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+
+
+def test_postprocess_runs_only_for_responses_with_logprobs(triton_server, openai_client):
+    """Postprocess passes text through unchanged, so the front door calls it only for responses carrying
+    logprobs (once per streamed llm response), and the text is the same either way."""
+    messages = [{"role": "user", "content": QUESTION}]
+    before = postprocess_requests(triton_server)
+    plain = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert postprocess_requests(triton_server) == before
+    with_logprobs = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                          temperature=0, logprobs=True)
+    assert postprocess_requests(triton_server) > before
+    assert plain.choices[0].message.content == with_logprobs.choices[0].message.content
+    assert plain.usage.completion_tokens == with_logprobs.usage.completion_tokens == 6
+
+
 def test_token_id_prompts(triton_server, openai_client):
     prompt = "The capital of France is"
     text = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention
 from omni_backend.engine.models.rope import apply_rope, cos_sin_cache, rope_parameters
 
@@ -81,6 +82,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
+        self.packed_lm_head: cpu_linear.PackedLinear | None = None  # see `pack_for_cpu`
         # float32 tables, kept out of the parameters so dtype casts leave them alone; see `place_rope_cache`
         self.cos_cache, self.sin_cache = cos_sin_cache(self.layers[0].head_dim, max_positions,
                                                        rope_parameters(config))
@@ -100,8 +102,21 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
 
+    def pack_for_cpu(self, expected_rows: int) -> None:
+        """Replace every projection and the output head by `cpu_linear.PackedLinear` (after `load_weights`, on
+        the CPU). A tied head gets its own packed copy of the embedding table ([vocab, hidden], the model's dtype);
+        an untied one is dropped after packing."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                setattr(layer, name, cpu_linear.pack(getattr(layer, name), expected_rows))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = cpu_linear.PackedLinear(head, None, expected_rows)
+        self.lm_head = None  # an untied head's plain weight is no longer read
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] float32."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 

@@ -19,7 +19,9 @@ concurrency) from that many client threads. Peers, all on SmolLM2-135M-Instruct 
                and skipped with a message when that fails.
 Every server is started once, before the first round, and stays up (all of them together take about 4 GiB); only
 one peer generates at a time. A round runs every peer at every level; the order of the peers rotates from round to
-round (round r starts with the r-th peer), so that the machine's slow drift falls on all of them alike.
+round (round r starts with the r-th peer), so that the machine's slow drift falls on all of them alike. Before each
+peer's turn the servers are left to go idle (vLLM's worker spins for about 1 s after its last request); the CPU the
+idle servers take during a level is recorded with it (`other_servers_cpu_cores`).
 Per request: TTFT (send -> first text), e2e (send -> last response), ITL = (e2e - TTFT) / (tokens - 1)
 (genai-perf's definition). Per level and round: p50/p95/p99 of each, and output tok/s = generated tokens / wall
 time. Per level the report is the median over the rounds of each number; the JSON keeps every round, and the
@@ -254,6 +256,18 @@ def cpu_seconds(roots: list[int]) -> float:
     return total
 
 
+def settle(roots: list[int], idle_cores: float = 0.05, window_s: float = 0.5, max_s: float = 15.0) -> float:
+    """Wait until the process trees under `roots` use under `idle_cores` of CPU over a `window_s` window (at most
+    `max_s`). vLLM's worker, for one, spins for about 1 s after its last request. Returns the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < max_s:
+        before = cpu_seconds(roots)
+        time.sleep(window_s)
+        if (cpu_seconds(roots) - before) / window_s < idle_cores:
+            break
+    return time.perf_counter() - start
+
+
 # --- OpenAI chat client (front door and vLLM) ----------------------------------------------------------------------
 
 
@@ -343,7 +357,14 @@ class OmniServers:
 
     def start(self) -> "OmniServers":
         """Render the repository, start tritonserver (ready: all models loaded), then the front door, and warm
-        both up. Raises TritonServerError or RuntimeError."""
+        both up. Raises TritonServerError or RuntimeError (and stops what it started)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "OmniServers":
         repository.render_repository(self.repo, models=["preprocess", "llm", "postprocess", "omni_chat"],
                                      dtype=self.dtype, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=512 << 20,
                                      max_model_len=self.max_model_len)
@@ -443,8 +464,8 @@ class VllmServer:
         """Offline, the KV cache size, and the cores its OpenMP threads run on."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB)}
         env.pop("PYTHONPATH", None)  # its own venv, not this project's packages
-        if self.omp_threads_bind == "all":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
+        if self.omp_threads_bind == "all":  # the CPUs this process may run on, e.g. "0,1"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
         elif self.omp_threads_bind != "auto":
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
         return env
@@ -464,7 +485,7 @@ class VllmServer:
         try:
             wait_http(f"{self.base_url}/v1/models", self.process, self.start_timeout_s, "the vLLM server", self.log)
             openai_chat_request(self.base_url, self.MODEL_NAME, "Hi", 4)  # warm-up
-        except Exception:
+        except BaseException:  # KeyboardInterrupt (Ctrl-C, SIGTERM) too: its process group outlives us
             self.stop()
             raise
         return self
@@ -625,7 +646,7 @@ class LlamaCppServer:
         try:
             wait_http(f"{self.base_url}/v1/models", self.process, 120, "the llama.cpp server", self.log)
             self.send("Hi", 4)  # warm-up
-        except Exception:
+        except BaseException:  # KeyboardInterrupt (Ctrl-C, SIGTERM) too: its process group outlives us
             self.stop()
             raise
         return self
@@ -727,7 +748,8 @@ def plot(results: dict, path: Path) -> None:
     ax_tput.legend(fontsize=7)
     cpu = results["cpu"]
     fig.suptitle(f"SmolLM2-135M chat, {results['workload']['new_tokens']} tokens per request, median of "
-                 f"{results['rounds']} rounds (dots: each round); {cpu['model']}, {cpu['cores']} cores")
+                 f"{results['rounds']} rounds (dots: each round); {cpu['model']}, {cpu['cores']} cores"
+                 + (", avx512_bf16" if cpu["avx512_bf16"] else ", no avx512_bf16"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -817,6 +839,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 senders[name] = lambda q, s=service: s.send(q, args.new_tokens)
         names = [name for name in PEERS if name in senders and name in wanted]
+        if not names:
+            raise SystemExit("no peer left to run")
         runs: dict[str, dict[str, list]] = {name: {} for name in names}
         # servers stay up between their turns: how much CPU does each take while idle? (cores, over 10 s)
         before = {type(service).__name__: cpu_seconds(service.pids()) for service in services}
@@ -832,12 +856,17 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
             for name in order:
                 levels = {1: questions(args.hf_requests)} if name == "hf" else per_level
-                others = [pid for service in services if service is not owner[name] for pid in service.pids()]
+                # the previous peer's servers (and ours) quiet down before this peer starts
+                settle([pid for service in services for pid in service.pids()])
+                others = {type(service).__name__: service.pids() for service in services
+                          if service is not owner[name] and service.pids()}
                 for c, prompts in levels.items():
-                    cpu_before = cpu_seconds(others)
+                    cpu_before = {k: cpu_seconds(pids) for k, pids in others.items()}
                     level = run_level(senders[name], prompts, 1 if name == "hf" else c)
                     # CPU the other (idle) servers took meanwhile, in cores: what they may have cost this peer
-                    level["other_servers_cpu_cores"] = (cpu_seconds(others) - cpu_before) / level["seconds"]
+                    level["other_servers_cpu_cores_by_server"] = {
+                        k: (cpu_seconds(pids) - cpu_before[k]) / level["seconds"] for k, pids in others.items()}
+                    level["other_servers_cpu_cores"] = sum(level["other_servers_cpu_cores_by_server"].values())
                     runs[name].setdefault(str(level["concurrency"]), []).append(level)
                     report(name, level, f"  (others idle: {level['other_servers_cpu_cores']:.3f} cores)")
     finally:

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens-mean", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--vllm-omp-threads-bind", default="all", help="as in bench_serving.py")
+    parser.add_argument("--vllm-omp-threads-bind", default="auto", help="as in bench_serving.py")
     parser.add_argument("--skip", nargs="*", default=[], choices=SERVERS)
     parser.add_argument("--results-dir", type=Path, default=serving.RESULTS,
                         help="where aiperf.json goes (smoke runs: somewhere under /tmp)")

@@ -441,12 +441,13 @@ class VllmServer:
     `max_model_len`, serving it as `smollm2`; `base_url` is its `http://host:port`.
 
     `omp_threads_bind` is VLLM_CPU_OMP_THREADS_BIND: "auto" is vLLM's default (on 2 cores it keeps one for its
-    API server and computes on the other), "all" computes on every core as our engine does (torch's default).
+    API server and computes on the other, the layout of our engine's automatic `cpu_threads`), "all" computes on
+    every core.
     """
 
     MODEL_NAME = "smollm2"
 
-    def __init__(self, dtype: str, max_model_len: int, omp_threads_bind: str = "all", start_timeout_s: float = 900):
+    def __init__(self, dtype: str, max_model_len: int, omp_threads_bind: str = "auto", start_timeout_s: float = 900):
         self.dtype, self.max_model_len, self.start_timeout_s = dtype, max_model_len, start_timeout_s
         self.omp_threads_bind = omp_threads_bind
         self.process: subprocess.Popen | None = None
@@ -769,9 +770,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="every peer's dtype but llama.cpp's (bfloat16 needs a CPU with avx512_bf16)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, ours, vLLM's and llama.cpp's")
-    parser.add_argument("--vllm-omp-threads-bind", default="all",
-                        help="'all': vLLM computes on every core, as our engine does; 'auto': vLLM's default "
-                             "(keeps a core for its API server); else a VLLM_CPU_OMP_THREADS_BIND value")
+    parser.add_argument("--vllm-omp-threads-bind", default="auto",
+                        help="'auto': vLLM's default (keeps a core for its API server, as our engine's automatic "
+                             "cpu_threads does); 'all': every core; else a VLLM_CPU_OMP_THREADS_BIND value")
     parser.add_argument("--skip", nargs="*", default=[], choices=PEERS)
     parser.add_argument("--results-dir", type=Path, default=RESULTS,
                         help="where serving.json and serving.png go (smoke runs: somewhere under /tmp)")

@@ -66,7 +66,7 @@ def cpu_info() -> dict:
                               None)
         flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
     return {"cpu_model": model, "avx512_bf16": "yes" if "avx512_bf16" in flags else "no", "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+            "torch": torch.__version__, "platform": platform.platform(),
             "loadavg": os.getloadavg()}
 
 
@@ -182,8 +182,9 @@ def main() -> None:
         parser.error("--short-every must be at least 1")
     machine = cpu_info()
     print(f"CPU: {machine['cpu_model']} ({machine['cores']} cores, avx512_bf16: {machine['avx512_bf16']}), "
-          f"torch {machine['torch']} with {machine['torch_threads']} threads, load {machine['loadavg']}", flush=True)
+          f"torch {machine['torch']}, load {machine['loadavg']}", flush=True)
     result = run(args)
+    machine["engine_torch_threads"] = torch.get_num_threads()  # what the engine set (EngineConfig.cpu_threads)
     machine["loadavg_after"] = os.getloadavg()
     report = {"workload": {key: value for key, value in vars(args).items() if key != "output"},
               "machine": machine, **result}

@@ -15,9 +15,17 @@ import torch
 from torch import nn
 
 
-def packing_available() -> bool:
-    """Whether this torch has oneDNN (mkldnn) with the linear reorder ops."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack `dtype` weights here: this torch has the linear reorder ops, and for bfloat16 /
+    float16 the CPU has what oneDNN's low-precision kernels need (the reorder raises otherwise; Inductor's weight
+    prepacking checks the same `_is_mkldnn_*_supported`)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
 
 
 class PackedLinear(nn.Module):

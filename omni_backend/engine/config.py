@@ -28,7 +28,8 @@ class EngineConfig:
         max_model_len: longest prompt + completion, tokens (capped by the model's max positions).
         attention_backend: "auto", "cpu", "torch" or "triton" (see `omni_backend.engine.attention`).
         enforce_eager: never capture CUDA graphs.
-        cpu_threads: torch intra-op threads of a CPU engine (the whole process); 0: usable cores - 1, at least 1
+        cpu_threads: torch intra-op threads of a CPU engine, set for the whole process; 0: torch's count as it is
+            (an offline engine). The llm stage turns its 0 into the usable cores minus one
             (`ops.hardware.cpu_engine_threads`). Ignored on a GPU.
     """
 

@@ -35,7 +35,7 @@ from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
-from omni_backend.ops.hardware import cpu_engine_threads, runtime_versions, select_attention_backend, select_dtype
+from omni_backend.ops.hardware import runtime_versions, select_attention_backend, select_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ class ModelRunner:
         self.config = config
         self.device = Device(config.device)
         self.device.bind_thread()
+        if not self.device.is_cuda and config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
         if not self.device.is_cuda:
-            threads = cpu_engine_threads(config.cpu_threads)
-            torch.set_num_threads(threads)
-            logger.info("CPU engine: %d torch thread(s) (cpu_threads %s)", threads, config.cpu_threads or "auto")
+            logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
         hf_config = AutoConfig.from_pretrained(config.model_path)
         architecture = (hf_config.architectures or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -166,12 +166,12 @@ class ModelRunner:
         model.place_rope_cache(self.device.torch_device)
         model.load_weights(self.config.model_path)
         if not self.device.is_cuda:
-            if cpu_linear.packing_available():
+            if cpu_linear.packing_available(self.dtype):
                 model.pack_for_cpu(self.config.max_num_seqs)
                 logger.info("CPU matmuls: oneDNN weights packed for %d rows", self.config.max_num_seqs)
             else:
-                logger.warning("CPU matmuls: this torch lacks oneDNN's linear reorder, weights stay unpacked "
-                               "(slower decode steps)")
+                logger.warning("CPU matmuls: oneDNN cannot pack %s weights with this torch on this CPU, they stay "
+                               "unpacked (slower decode steps)", self.dtype)
         return model.eval()
 
     def _graphs_wanted(self) -> bool:

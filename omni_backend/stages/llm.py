@@ -45,7 +45,7 @@ from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.ops.governor import Governor, GovernorConfig
 from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
-from omni_backend.ops.hardware import resolve_device, runtime_versions
+from omni_backend.ops.hardware import cpu_engine_threads, resolve_device, runtime_versions
 from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
 from omni_backend.vocabulary import ErrorKind, StageError
 
@@ -614,13 +614,16 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
                    instance_device_id: str | int | None = None) -> LLMService:
     """Engine, governor and (with `pb_utils`) metrics from a Triton config's string parameters, for the model
     instance Triton describes (`instance_device`); not started. On a GPU the process is first capped at
-    `gpu_memory_utilization` of the device (ops/gpu_budget.py), the share the engine sizes its KV cache in.
+    `gpu_memory_utilization` of the device (ops/gpu_budget.py), the share the engine sizes its KV cache in. A CPU
+    engine gets `cpu_threads` torch threads, 0 meaning the usable cores minus one (`ops.hardware.cpu_engine_threads`).
 
     Raises:
         ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises.
     """
     device = instance_device(parameters.get("device") or "auto", instance_kind, instance_device_id)
     config = engine_config_from_parameters(parameters, device)
+    if config.torch_device.type == "cpu":  # a server process: leave a core to tritonserver and the front door
+        config.cpu_threads = cpu_engine_threads(config.cpu_threads)
     apply_gpu_memory_budget(device, config.gpu_memory_utilization, model)
     max_queued_requests = max_queued_requests_from_parameters(parameters)
     governor_config = GovernorConfig.from_parameters(parameters)

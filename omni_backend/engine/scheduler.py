@@ -148,7 +148,8 @@ class Scheduler:
         running: admitted sequences holding KV blocks, in admission order (the last one is preempted first).
         watermark_blocks: free blocks admission leaves for running sequences to grow into.
         owed_blocks: free blocks a preempted sequence may not be admitted into: freed by preemptions, not yet grown
-            into by the running sequences, at most what they can still need.
+            into by the running sequences, at most what they can still need and at most the free blocks (a block freed
+            twice, by two preemptions, is owed once).
         num_preemptions: preemptions so far.
     """
 
@@ -206,7 +207,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts, allocating their KV blocks (may preempt, see the module
         docstring)."""
-        self.owed_blocks = min(self.owed_blocks, sum(
+        self.owed_blocks = min(self.owed_blocks, self.block_manager.num_free_blocks, sum(
             self.block_manager.blocks_needed(s, s.num_prompt_tokens + s.params.max_tokens) for s in self.running))
         budget = self.token_budget
         decodes: list[Sequence] = []

@@ -10,11 +10,11 @@ from p exactly (the exponential race / Gumbel-max trick); E comes from the reque
 has a seed, so its tokens do not depend on what else is in the batch.
 
 Semantics (those of the sampler before issue #14, kept in tests/engine/sampler_reference.py): a greedy row
-(temperature 0 or top_k 1) takes the argmax of its penalized logits. A sampled row ranks the vocabulary by
-descending scaled logit x / T, masks ranks >= top_k, softmaxes, drops every rank whose preceding mass reaches
-top_p (rank 0 always stays) and every rank with p < min_p * p_max, and takes the rank that wins the race
-argmax(p_r / E_r), E_r being the r-th of V exponentials drawn from the row's generator: a seeded row's
-generator advances by V draws per step, so its stream is the old one (see _SeededNoise for how the CPU avoids
+(temperature below 1e-5, `GREEDY_TEMPERATURE`, or top_k 1) takes the argmax of its penalized logits. A sampled
+row ranks the vocabulary by descending scaled logit x / T, masks ranks >= top_k, softmaxes, drops every rank
+whose preceding mass reaches top_p (rank 0 always stays) and every rank with p < min_p * p_max, and takes the
+rank that wins the race argmax(p_r / E_r), E_r being the r-th of V exponentials drawn from the row's generator:
+a seeded row's generator advances by V draws per step, so its stream is the old one (see _SeededNoise for how the CPU avoids
 drawing all V). Unseeded rows (the device's default generator) only need the same distribution.
 
 How it avoids sorting the vocabulary (issue #14). Everything runs with torch ops on the logits' device; the

@@ -53,8 +53,3 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def pack(linear: nn.Linear, expected_rows: int) -> PackedLinear:
-    """A `PackedLinear` computing what `linear` computes (see the class)."""
-    return PackedLinear(linear.weight, linear.bias, expected_rows)

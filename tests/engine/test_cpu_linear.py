@@ -24,7 +24,7 @@ def test_packed_linear_equals_linear(dtype, rows, in_features, out_features, bia
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    packed = cpu_linear.pack(linear, expected_rows=32)
+    packed = cpu_linear.PackedLinear(linear.weight, linear.bias, expected_rows=32)
     with torch.no_grad():
         want = linear(x)
         got = packed(x)
@@ -33,7 +33,7 @@ def test_packed_linear_equals_linear(dtype, rows, in_features, out_features, bia
 
 
 def test_packed_linear_keeps_no_plain_weight():
-    packed = cpu_linear.pack(torch.nn.Linear(64, 32, bias=False), expected_rows=8)
+    packed = cpu_linear.PackedLinear(torch.randn(32, 64), None, expected_rows=8)
     assert [name for name, _ in packed.named_parameters()] == []
     assert packed.packed_weight.numel() >= 64 * 32
 

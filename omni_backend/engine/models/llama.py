@@ -108,7 +108,8 @@ class LlamaForCausalLM(nn.Module):
         an untied one is dropped after packing."""
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                setattr(layer, name, cpu_linear.pack(getattr(layer, name), expected_rows))
+                linear = getattr(layer, name)
+                setattr(layer, name, cpu_linear.PackedLinear(linear.weight, linear.bias, expected_rows))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = cpu_linear.PackedLinear(head, None, expected_rows)
         self.lm_head = None  # an untied head's plain weight is no longer read

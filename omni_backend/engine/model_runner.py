@@ -65,9 +65,9 @@ class ModelRunner:
         self.config = config
         self.device = Device(config.device)
         self.device.bind_thread()
-        if not self.device.is_cuda and config.cpu_threads:
-            torch.set_num_threads(config.cpu_threads)
         if not self.device.is_cuda:
+            if config.cpu_threads:
+                torch.set_num_threads(config.cpu_threads)
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
         hf_config = AutoConfig.from_pretrained(config.model_path)
         architecture = (hf_config.architectures or ["?"])[0]

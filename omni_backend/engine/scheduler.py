@@ -18,8 +18,9 @@ Each step, in this order:
    request may need the whole cache). A preempted sequence must also fit beside the blocks owed to the
    survivors: the blocks a preemption frees are owed to the sequences that kept running until they have grown
    into them or can no longer need them (a sequence needs at most prompt + max_tokens tokens), so a victim is
-   never admitted back into the room it left for the others. Every admitted sequence must get at least one
-   token of this step's prefill budget (4.), so admitting it is not only holding blocks.
+   never admitted back into the room it left for the others. A sequence is admitted only when the prefill
+   budget (4.) would give it a token with the sequences admitted before it; shorter prompts admitted after it in
+   the same step may still take that token, and it gets its share in a later step.
 3. **Overtaking, with aging.** A waiting sequence that does not fit does not stop the queue: the ones behind
    it that fit are admitted, but only while it would not fit even if every running sequence that arrived after
    it gave its blocks back. Once it would, nothing behind it is admitted until it is, so later arrivals never

@@ -7,10 +7,11 @@ ids (its block table); attention kernels gather K/V through it.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
+from omni_backend.engine import prefix_cache
 from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.sequence import Sequence
 
@@ -63,57 +64,171 @@ class BlockTablePool:
 
 
 class BlockManager:
-    """Allocates and frees KV-cache blocks with reference counts.
+    """Allocates and frees KV-cache blocks with reference counts, and keeps freed full blocks for reuse (automatic
+    prefix caching).
 
-    Reference counts are kept so blocks can later be shared between sequences (prefix caching); today each
-    block has one owner. Allocation is all-or-nothing per call.
+    With prefix caching on, every full block whose KV is computed is offered to the cache under its name
+    (`prefix_cache.block_hash`, chained over the tokens before it). A new sequence whose leading full blocks have
+    cached names shares those blocks (their reference counts go up) and prefills only the rest; at least one token
+    is always computed, so its first logits exist. Shared blocks are never written: a sequence writes only the
+    positions at and after its computed tokens, which lie past every block it took from the cache.
+
+    A block whose last reference goes away keeps its KV and its name and becomes evictable; it still counts as
+    free. A new block comes from the never-named free blocks first, then from the evictable ones, least recently
+    freed first (LRU; a sequence's blocks are released last block first, so a prefix's tail goes before its head).
+    A block named twice (two sequences computed the same content at once) keeps the first owner's name; the
+    other copy is freed as unnamed.
+
+    Args:
+        num_blocks: blocks in the KV cache.
+        block_size: tokens per block.
+        pool: the device-resident block tables.
+        enable_prefix_caching: reuse cached blocks (off: every block is private and freed unnamed).
+
+    Attributes:
+        prefix_cache_queries: prompt tokens looked up in the cache at admission (tokens; counter).
+        prefix_cache_hits: of those, tokens whose KV was reused (tokens; counter).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, pool: BlockTablePool):
+    def __init__(self, num_blocks: int, block_size: int, pool: BlockTablePool, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pool = pool
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # free and unnamed
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free and named, least recently freed first
         self._ref_counts = [0] * num_blocks
+        self._names: list[bytes | None] = [None] * num_blocks
+        self._by_name: dict[bytes, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation can take: unnamed free blocks plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a named, reusable prefix (in use or evictable)."""
+        return len(self._by_name)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that `num_tokens` tokens of `seq` fit."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting `seq` (holding no blocks) would start with: its longest run of leading full
+        blocks with cached names, short of its last token (which is always computed). Empty when caching is off
+        or the sequence asks for prompt logprobs (they are read from the prefill's hidden states)."""
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return []
+        blocks = []
+        for name in prefix_cache.full_block_hashes(seq, (len(seq) - 1) // self.block_size, self.block_size):
+            block = self._by_name.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def blocks_to_admit(self, seq: Sequence, num_tokens: int, cached: list[int]) -> int:
+        """Free blocks that admitting waiting `seq` for `num_tokens` tokens takes when it starts with the `cached`
+        blocks (`cached_prefix`): the new blocks, plus the cached ones that are evictable now (free until taken)."""
+        return self.blocks_needed(seq, num_tokens) - len(cached) + sum(self._ref_counts[b] == 0 for b in cached)
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
         """Grow `seq`'s block table to hold `num_tokens` tokens, writing new entries into its pool row.
 
+        `cached` (only for a sequence holding no blocks: its `cached_prefix`) become its first blocks, shared, and
+        its computed tokens start after them; the lookup is counted in the prefix-cache counters.
+
         Raises:
-            RuntimeError: not enough free blocks (callers check `can_allocate` first) or no pool row.
+            RuntimeError: not enough free blocks (callers check `can_allocate`/`blocks_to_admit` first) or no
+                pool row.
         """
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > len(self._free):
-            raise RuntimeError(f"need {needed} KV blocks, {len(self._free)} free")
+        needed = self.blocks_needed(seq, num_tokens) - len(cached)
+        taken = needed + sum(self._ref_counts[b] == 0 for b in cached)
+        if taken > self.num_free_blocks:
+            raise RuntimeError(f"need {taken} KV blocks, {self.num_free_blocks} free")
         if seq.pool_row is None:
             seq.pool_row = self.pool.acquire_row()
+        if not seq.block_table:  # admission
+            if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                self.prefix_cache_queries += len(seq)
+                self.prefix_cache_hits += len(cached) * self.block_size
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = len(cached) * self.block_size
+        for block in cached:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            self._append(seq, block)
+        if cached:
+            seq.num_computed_tokens = len(cached) * self.block_size
+            seq.num_registered_blocks = len(cached)
         for _ in range(needed):
-            block = self._free.popleft()
+            block = self._take_free_block()
             self._ref_counts[block] = 1
-            self.pool.append(seq.pool_row, len(seq.block_table), block)
-            seq.block_table.append(block)
+            self._append(seq, block)
+
+    def _append(self, seq: Sequence, block: int) -> None:
+        self.pool.append(seq.pool_row, len(seq.block_table), block)
+        seq.block_table.append(block)
+
+    def _take_free_block(self) -> int:
+        """An unnamed free block, else the least recently freed cached one, whose name is dropped."""
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)
+        del self._by_name[self._names[block]]
+        self._names[block] = None
+        return block
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Offer to the cache `seq`'s full blocks whose KV is now computed (call after each step that computed
+        tokens of it). A name already cached for another block leaves this copy unnamed."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        names = prefix_cache.full_block_hashes(seq, full, self.block_size)
+        for index in range(seq.num_registered_blocks, full):
+            block, name = seq.block_table[index], names[index]
+            if self._names[block] is None and name not in self._by_name:
+                self._names[block] = name
+                self._by_name[name] = block
+        seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:
-        """Return all of `seq`'s blocks and its pool row."""
+        """Drop `seq`'s references to its blocks (last block first) and return its pool row. A block no longer
+        referenced is evictable when named, else free."""
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                if self._names[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         seq.block_table.clear()
+        seq.num_registered_blocks = 0
         if seq.pool_row is not None:
             self.pool.release_row(seq.pool_row)
             seq.pool_row = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached name (blocks in use keep their KV and stay allocated; evictable ones become plain
+        free blocks). Returns how many names were dropped. For benchmarks that must start cold."""
+        dropped = len(self._by_name)
+        for block in self._evictable:
+            self._free.append(block)
+        self._evictable.clear()
+        self._names = [None] * self.num_blocks
+        self._by_name.clear()
+        return dropped
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Cache slot (block_id * block_size + offset) of token `position` of `seq`."""

@@ -31,6 +31,7 @@ class EngineConfig:
         cpu_threads: torch intra-op threads of a CPU engine, set for the whole process; 0: torch's count as it is
             (an offline engine). The llm stage turns its 0 into the usable cores minus one
             (`ops.hardware.cpu_engine_threads`). Ignored on a GPU.
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (engine/prefix_cache.py).
     """
 
     model_path: str
@@ -46,6 +47,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cpu_threads: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -44,6 +44,8 @@ class RequestOutput:
             when params.prompt_logprobs asks, else None.
         first_scheduled_time, first_token_time: `time.monotonic()` when the request first ran in a step and
             when its first token was sampled (None until then); for metrics.
+        cached_tokens: prompt tokens whose KV the prefix cache supplied when the request was first admitted
+            (tokens; 0 before admission or without a hit).
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ class RequestOutput:
             self.first_scheduled_time if self.first_scheduled_time is not None else later.first_scheduled_time,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            later.cached_tokens,
         )
 
 
@@ -236,7 +240,8 @@ class LLMEngine:
             return None  # hold ids until they produce visible text (incomplete UTF-8 or possible stop string)
         output = RequestOutput(seq.request_id, delta, state.pending_ids, seq.finish_reason if final else None,
                                seq.num_prompt_tokens, seq.num_output_tokens, state.pending_logprobs,
-                               seq.first_scheduled_time, seq.first_token_time, self._prompt_logprobs(state))
+                               seq.first_scheduled_time, seq.first_token_time, self._prompt_logprobs(state),
+                               seq.num_cached_tokens or 0)
         state.pending_ids = []
         state.pending_logprobs = []
         if final:

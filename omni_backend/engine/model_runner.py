@@ -108,7 +108,9 @@ class ModelRunner:
                            config.max_model_len)
         self.kv_caches = self._allocate_kv_cache(plan.num_blocks)
         self.block_table_pool = BlockTablePool(config.max_num_seqs, config.max_blocks_per_seq, self.device)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, self.block_table_pool)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, self.block_table_pool,
+                                          config.enable_prefix_caching)
+        logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (enable_prefix_caching)")
 
         if self.device.is_cuda and self.attention_backend == "triton":
             self._warm_up()
@@ -332,7 +334,8 @@ class ModelRunner:
         """Run one step; returns the sequences that sampled a token (in order) and their samples.
 
         The sequences' computed-token counts advance only once the whole step (forward and sampling) has
-        succeeded, so a step that raises (a CUDA out-of-memory error) can be scheduled again as it was.
+        succeeded, so a step that raises (a CUDA out-of-memory error) can be scheduled again as it was; then the
+        blocks they filled are offered to the prefix cache.
         """
         inputs = prepare_step(batch, self.block_manager, self.staging)
         hidden = self._forward(inputs)
@@ -344,6 +347,7 @@ class ModelRunner:
             result = self.sampler(self.model.compute_logits(rows), inputs.sampled)
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += count
+            self.block_manager.register_computed_blocks(seq)
         return inputs.sampled, result
 
     def release_step_memory(self) -> None:

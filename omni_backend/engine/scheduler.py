@@ -246,30 +246,34 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) >= self.num_seqs_limit:
                 return
-            if not self._fits(seq):
+            cached = self.block_manager.cached_prefix(seq)
+            if not self._fits(seq, cached):
                 if head is None:
                     head = seq
-                    if self._later_arrivals_hold_its_blocks(head):
+                    if self._later_arrivals_hold_its_blocks(head, cached):
                         return
                 continue
             candidates = prefills + [seq]
-            share = split_prefill_budget(budget, [s.num_uncomputed_tokens for s in candidates],
-                                         _earliest(candidates))[-1]
+            remaining = [s.num_uncomputed_tokens for s in prefills] + \
+                [len(seq) - len(cached) * self.block_manager.block_size]
+            share = split_prefill_budget(budget, remaining, _earliest(candidates))[-1]
             if share == 0:
                 continue
             self.waiting.remove(seq)
-            self.block_manager.allocate(seq, len(seq) + 1)
+            self.block_manager.allocate(seq, len(seq) + 1, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             prefills.append(seq)
 
-    def _blocks_to_admit(self, seq: Sequence) -> int:
-        """Blocks a waiting `seq` needs: all its tokens (recomputed from scratch) and its next token's slot."""
-        return self.block_manager.blocks_needed(seq, len(seq) + 1)
+    def _blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
+        """Free blocks a waiting `seq` takes: those for all its tokens (recomputed, except the `cached` prefix it
+        starts with) and its next token's slot, plus the cached ones that are evictable now."""
+        return self.block_manager.blocks_to_admit(seq, len(seq) + 1, cached)
 
-    def _fits(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` can be admitted now as far as blocks go (module docstring, 2.)."""
-        return self._blocks_to_admit(seq) + self._blocks_kept_free(seq, bool(self.running)) <= \
+    def _fits(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether waiting `seq`, starting with the `cached` blocks, can be admitted now as far as blocks go
+        (module docstring, 2.)."""
+        return self._blocks_to_admit(seq, cached) + self._blocks_kept_free(seq, bool(self.running)) <= \
             self.block_manager.num_free_blocks
 
     def _blocks_kept_free(self, seq: Sequence, others_run: bool) -> int:
@@ -277,14 +281,15 @@ class Scheduler:
         a preempted sequence also the blocks owed to the survivors."""
         return (self.watermark_blocks if others_run else 0) + (self.owed_blocks if seq.num_preemptions else 0)
 
-    def _later_arrivals_hold_its_blocks(self, head: Sequence) -> bool:
-        """Whether `head` would fit if every running sequence that arrived after it gave its blocks back."""
+    def _later_arrivals_hold_its_blocks(self, head: Sequence, cached: list[int]) -> bool:
+        """Whether `head` (starting with the `cached` blocks) would fit if every running sequence that arrived
+        after it gave its blocks back (counting each of their blocks, shared ones too: an upper bound)."""
         later = [s for s in self.running if s.arrival > head.arrival]
         if not later:
             return False
         freed = sum(len(s.block_table) for s in later)
-        return self._blocks_to_admit(head) + self._blocks_kept_free(head, len(later) < len(self.running)) <= \
-            self.block_manager.num_free_blocks + freed
+        return self._blocks_to_admit(head, cached) + \
+            self._blocks_kept_free(head, len(later) < len(self.running)) <= self.block_manager.num_free_blocks + freed
 
     def _grow(self, seq: Sequence) -> bool:
         """Allocate the block for the next token of decoding `seq`, preempting the latest admitted sequences

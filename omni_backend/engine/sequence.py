@@ -51,6 +51,10 @@ class Sequence:
 
     Attributes:
         block_table: KV-cache block ids, host copy (the device copy is a row of the block-table pool).
+        block_hashes: names of the sequence's full blocks computed so far (prefix_cache.py), a memo.
+        num_registered_blocks: leading blocks of `block_table` already offered to the prefix cache.
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache when the sequence was first admitted
+            (OpenAI's usage.prompt_tokens_details.cached_tokens); None until then.
         pool_row: row in the block-table pool while running, else None.
         generator: the request's RNG when it has a seed (same seed + prompt -> same tokens): None until the
             sampler first samples for it, then `torch.Generator(device=<logits' device>).manual_seed(seed)`;
@@ -72,6 +76,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.pool_row: int | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0

@@ -1,0 +1,262 @@
+"""Automatic prefix caching (engine/prefix_cache.py, engine/block_manager.py): which blocks are reused, when cached
+blocks are evicted, that block accounting returns to baseline, and that greedy outputs do not change with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_backend.engine.block_manager import BlockManager, BlockTablePool
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.device import Device
+from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.scheduler import Scheduler
+from omni_backend.engine.sequence import PromptEmbeds, Sequence
+
+BLOCK_SIZE = 16
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _manager(num_blocks: int = 32, enable: bool = True) -> BlockManager:
+    return BlockManager(num_blocks, BLOCK_SIZE, BlockTablePool(8, 16, Device("cpu")), enable)
+
+
+def _computed(manager: BlockManager, name: str, token_ids: list[int], embeds: PromptEmbeds | None = None,
+              params: SamplingParams = PARAMS) -> Sequence:
+    """A sequence admitted with whatever the cache offers, then computed whole and offered to the cache."""
+    seq = Sequence(name, token_ids, params, 0.0, embeds)
+    manager.allocate(seq, len(seq) + 1, manager.cached_prefix(seq))
+    seq.num_computed_tokens = len(seq)
+    manager.register_computed_blocks(seq)
+    return seq
+
+
+def _ref_counts_are_zero(manager: BlockManager) -> bool:
+    return manager.num_free_blocks == manager.num_blocks and not any(manager._ref_counts)
+
+
+# --- which blocks are reused ------------------------------------------------------------------------------------------
+
+def test_full_blocks_of_a_computed_prefix_are_reused_and_the_last_token_is_always_computed():
+    manager = _manager()
+    prompt = list(range(100, 140))  # 40 tokens: blocks 0 and 1 full, block 2 holds 8
+    first = _computed(manager, "a", prompt)
+    assert manager.num_cached_blocks == 2
+    assert manager.cached_prefix(Sequence("b", prompt, PARAMS, 0.0)) == first.block_table[:2]
+    # a prompt of exactly two full blocks reuses one: its last token must be computed for its logits
+    assert manager.cached_prefix(Sequence("c", prompt[:32], PARAMS, 0.0)) == first.block_table[:1]
+    # a different token in block 1 stops the match there
+    changed = prompt[:20] + [7] + prompt[21:]
+    assert manager.cached_prefix(Sequence("d", changed, PARAMS, 0.0)) == first.block_table[:1]
+
+
+def test_a_block_is_named_by_everything_before_it():
+    """Block 1 of two prompts holds the same ids, but block 0 differs: block 1 is not reused."""
+    manager = _manager()
+    _computed(manager, "a", list(range(100, 140)))
+    other_start = [1] * 16 + list(range(116, 140))
+    assert manager.cached_prefix(Sequence("b", other_start, PARAMS, 0.0)) == []
+
+
+def test_same_placeholder_ids_with_different_embeddings_share_nothing():
+    """An image enters as placeholder ids whose embeddings differ per image: the embeddings are part of the block's
+    name, so another image never reuses its blocks; the same image does."""
+    manager = _manager()
+    prompt = [1, 2] + [9] * 20 + list(range(200, 220))  # placeholders at positions 2..21 (blocks 0 and 1)
+    positions = torch.arange(2, 22)
+    image = torch.randn(20, 8, generator=torch.Generator().manual_seed(0))
+    _computed(manager, "a", prompt, PromptEmbeds(positions, image))
+    other_image = image.clone()
+    other_image[19, 0] += 1e-3  # one value of one row (position 21, block 1)
+    reuse_same = manager.cached_prefix(Sequence("b", prompt, PARAMS, 0.0, PromptEmbeds(positions, image.clone())))
+    reuse_other = manager.cached_prefix(Sequence("c", prompt, PARAMS, 0.0, PromptEmbeds(positions, other_image)))
+    reuse_none = manager.cached_prefix(Sequence("d", prompt, PARAMS, 0.0))
+    assert len(reuse_same) == 2
+    assert len(reuse_other) == 1  # block 0's rows are equal, block 1's differ in one value
+    assert reuse_none == []  # the bare placeholder ids name other blocks
+
+
+def test_requests_for_prompt_logprobs_and_a_disabled_cache_reuse_nothing():
+    manager = _manager()
+    prompt = list(range(100, 140))
+    _computed(manager, "a", prompt)
+    assert manager.cached_prefix(Sequence("b", prompt, SamplingParams(prompt_logprobs=1), 0.0)) == []
+    disabled = _manager(enable=False)
+    _computed(disabled, "a", prompt)
+    assert disabled.num_cached_blocks == 0
+    assert disabled.cached_prefix(Sequence("b", prompt, PARAMS, 0.0)) == []
+
+
+def test_admission_counts_queries_and_hits_in_tokens_and_the_request_keeps_its_cached_tokens():
+    manager = _manager()
+    prompt = list(range(100, 140))
+    _computed(manager, "a", prompt)
+    again = _computed(manager, "b", prompt)
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (80, 32)
+    assert again.num_cached_tokens == 32 and again.num_computed_tokens == 40
+    assert again.block_table[:2] == manager.cached_prefix(Sequence("c", prompt, PARAMS, 0.0))
+
+
+# --- eviction and accounting ------------------------------------------------------------------------------------------
+
+def test_freed_blocks_stay_cached_until_a_new_block_is_needed_and_go_least_recently_freed_first():
+    manager = _manager(num_blocks=8)
+    a = _computed(manager, "a", list(range(100, 133)))  # 33 tokens + 1: 3 blocks, 2 named
+    b = _computed(manager, "b", list(range(300, 333)))
+    a_blocks, b_blocks = a.block_table[:2], b.block_table[:2]
+    manager.free(a)
+    manager.free(b)
+    assert manager.num_free_blocks == 8 and manager.num_cached_blocks == 4
+    # 4 unnamed free blocks go first, then a's blocks (freed first: last block first), then b's
+    filler = Sequence("f", [1] * 80, PARAMS, 0.0)  # 81 tokens: 6 blocks
+    manager.allocate(filler, 81)
+    assert manager.num_cached_blocks == 2
+    assert manager.cached_prefix(Sequence("a2", list(range(100, 133)), PARAMS, 0.0)) == []
+    assert manager.cached_prefix(Sequence("b2", list(range(300, 333)), PARAMS, 0.0)) == b_blocks
+    assert set(filler.block_table) & set(a_blocks) == set(a_blocks)
+
+
+def test_a_shared_block_lives_while_any_sequence_references_it():
+    manager = _manager(num_blocks=6)
+    prompt = list(range(100, 133))
+    a = _computed(manager, "a", prompt)
+    b = _computed(manager, "b", prompt)  # shares a's 2 named blocks, owns 1
+    assert manager.num_free_blocks == 6 - 4
+    manager.free(a)
+    assert manager.num_free_blocks == 6 - 3  # a's own last block only
+    filler = Sequence("f", [1] * 40, PARAMS, 0.0)
+    manager.allocate(filler, 41)  # 3 blocks: everything free, and no shared block among them
+    assert not set(filler.block_table) & set(b.block_table)
+    manager.free(b)
+    manager.free(filler)
+    assert _ref_counts_are_zero(manager)
+
+
+def test_a_block_computed_twice_keeps_one_name_and_the_copy_is_freed_unnamed():
+    manager = _manager(num_blocks=8)
+    prompt = list(range(100, 133))
+    a = Sequence("a", prompt, PARAMS, 0.0)
+    b = Sequence("b", prompt, PARAMS, 0.0)
+    for seq in (a, b):  # both admitted before either is computed
+        manager.allocate(seq, len(seq) + 1, manager.cached_prefix(seq))
+    for seq in (a, b):
+        seq.num_computed_tokens = len(seq)
+        manager.register_computed_blocks(seq)
+    assert manager.num_cached_blocks == 2
+    manager.free(b)
+    manager.free(a)
+    assert manager.num_cached_blocks == 2 and _ref_counts_are_zero(manager)
+
+
+def test_reset_forgets_every_name_and_keeps_blocks_in_use():
+    manager = _manager()
+    prompt = list(range(100, 140))
+    held = _computed(manager, "a", prompt)
+    still_running = _computed(manager, "b", list(range(300, 340)))
+    manager.free(held)
+    assert manager.reset_prefix_cache() == 4
+    assert manager.num_cached_blocks == 0
+    assert manager.cached_prefix(Sequence("c", prompt, PARAMS, 0.0)) == []
+    assert manager.num_free_blocks == 32 - len(still_running.block_table)
+
+
+def test_block_accounting_returns_to_baseline_after_preemptions_and_aborts():
+    """Sequences sharing a prefix run through a cache too small for all of them (preemptions), some aborted while
+    prefilling or decoding: at the end every block is free and unreferenced, and the cache still holds names."""
+    manager = _manager(num_blocks=20)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=48)
+    shared = list(range(100, 164))
+    seqs = [Sequence(f"r{i}", shared + [1000 + i] * (10 + 7 * i), SamplingParams(max_tokens=60, ignore_eos=True),
+                     float(i)) for i in range(6)]
+    for seq in seqs:
+        scheduler.add(seq)
+    steps = 0
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        steps += 1
+        for seq, count in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += count
+            manager.register_computed_blocks(seq)
+            if seq.num_computed_tokens == len(seq):
+                seq.token_ids.append(5)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    scheduler.finish(seq, "length")
+        if steps == 3:
+            scheduler.finish(seqs[4], "abort")  # mid-prefill or waiting
+        if steps == 12:
+            scheduler.finish(seqs[1], "abort")  # decoding
+        assert steps < 2000
+    assert scheduler.num_preemptions > 0
+    assert manager.prefix_cache_hits > 0
+    assert _ref_counts_are_zero(manager)
+    assert manager.num_cached_blocks > 0
+
+
+# --- the engine: greedy outputs with the cache on and off -------------------------------------------------------------
+
+SYSTEM = "You are a helpful assistant who answers questions about geography, history and cooking in one sentence. "
+QUESTIONS = ["What is the capital of France?", "Name a river in Africa.", "How long do I boil an egg?",
+             "Who built the pyramids?", "What is the tallest mountain?", "Where is Lima?"]
+
+
+def _prompts(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves: shared system prompt + questions, an unrelated prompt; then repeats, new questions and a second
+    turn that resends a whole first exchange."""
+    system = tokenizer.encode(SYSTEM * 3)
+    ask = [system + tokenizer.encode(q) for q in QUESTIONS]
+    unrelated = tokenizer.encode("Write a short poem about the sea and the wind and the rain. " * 2)
+    first = [ask[0], ask[1], unrelated, ask[2]]
+    second_turn = ask[0] + tokenizer.encode(" Paris. And of Spain?")
+    return first, [ask[0], ask[3], second_turn, unrelated, ask[4], ask[5]]
+
+
+def _run(path: str, enable: bool, backend: str, max_tokens: int, **limits) -> tuple[list[list[int]], list[int],
+                                                                                    LLMEngine]:
+    engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", attention_backend=backend, max_model_len=512,
+                                    enable_prefix_caching=enable, **limits))
+    first, second = _prompts(engine.tokenizer)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(first, params) + engine.generate(second, params)
+    return [o.token_ids for o in outputs], [o.cached_tokens for o in outputs], engine
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("limits", [
+    {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_tokens": 12},
+    {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 40, "max_tokens": 12},  # chunked prefill
+    {"num_kv_blocks": 20, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_tokens": 40},  # preemption
+], ids=["whole", "chunked", "preempting"])
+def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(smollm2_path, backend, limits):
+    on_tokens, on_cached, on = _run(smollm2_path, True, backend, **limits)
+    off_tokens, off_cached, off = _run(smollm2_path, False, backend, **limits)
+    assert on_tokens == off_tokens
+    assert off_cached == [0] * 10 and off.runner.block_manager.prefix_cache_hits == 0
+    manager = on.runner.block_manager
+    # the counters count every admission, a preempted sequence's again; cached_tokens its first admission only
+    assert manager.prefix_cache_hits >= sum(on_cached) > 0
+    if limits["num_kv_blocks"] == 256:
+        assert manager.prefix_cache_hits == sum(on_cached)
+        system_blocks = len(on.tokenizer.encode(SYSTEM * 3)) // BLOCK_SIZE * BLOCK_SIZE
+        assert on_cached[4] >= system_blocks  # the repeated first question
+        assert on_cached[6] >= system_blocks  # the second turn
+    else:
+        assert on.scheduler.num_preemptions > 0
+    assert manager.num_free_blocks == manager.num_blocks and not any(manager._ref_counts)
+
+
+def test_aborted_requests_leave_reusable_blocks_and_the_next_request_is_right(smollm2_path):
+    engine = LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", max_model_len=512, num_kv_blocks=64,
+                                    max_num_batched_tokens=48))
+    prompt = engine.tokenizer.encode(SYSTEM * 3 + QUESTIONS[0])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("prefilling", prompt, params)
+    engine.step()
+    engine.abort("prefilling")  # 48 of its tokens computed: 3 full blocks cached
+    manager = engine.runner.block_manager
+    assert manager.num_free_blocks == manager.num_blocks and manager.num_cached_blocks == 3
+    again = engine.generate([prompt], params)[0]
+    assert again.cached_tokens == 48
+    reference = LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", max_model_len=512, num_kv_blocks=64,
+                                       enable_prefix_caching=False)).generate([prompt], params)[0]
+    assert again.token_ids == reference.token_ids

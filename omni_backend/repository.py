@@ -21,6 +21,7 @@ Settings (placeholder name, environment variable, default):
     dtype              OMNI_DTYPE              auto
     attention_backend  OMNI_ATTENTION_BACKEND  auto
     enforce_eager      OMNI_ENFORCE_EAGER      false (true: never capture CUDA graphs)
+    enable_prefix_caching OMNI_ENABLE_PREFIX_CACHING true (false: every request prefills its whole prompt)
     cpu_threads        OMNI_CPU_THREADS        0: a CPU llm engine's torch threads are the usable cores - 1 (at
                                                least 1), a core left for tritonserver and the front door
     gpu_memory_utilization OMNI_GPU_MEMORY_UTILIZATION 0.75 of each GPU for its llm engine (weights,
@@ -75,6 +76,7 @@ class Settings:
         dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
         attention_backend: "auto", "cpu", "torch" or "triton".
         enforce_eager: never capture CUDA graphs.
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (engine/prefix_cache.py).
         cpu_threads: torch threads of a CPU llm engine (0: usable cores - 1, at least 1).
         gpu_memory_utilization: share of each GPU's memory its llm engine may use, in (0, 1].
         encoder_gpu_memory_fraction, diffusion_gpu_memory_fraction: the other GPU stages' shares, in (0, 1].
@@ -92,6 +94,7 @@ class Settings:
     dtype: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     cpu_threads: int = 0
     gpu_memory_utilization: float = 0.75
     encoder_gpu_memory_fraction: float = 0.04
@@ -127,12 +130,13 @@ class Settings:
             if isinstance(getattr(self, name), bool) or not 0.0 < value <= 1.0:
                 raise ValueError(f"setting {name} must be a number in (0, 1], got {getattr(self, name)!r}")
             setattr(self, name, value)
-        if isinstance(self.enforce_eager, str):
-            if self.enforce_eager.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"setting enforce_eager must be true or false, got {self.enforce_eager!r}")
-            self.enforce_eager = self.enforce_eager.lower() in ("true", "1")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"setting enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                value = value.lower() in ("true", "1")
+            if not isinstance(value, bool):
+                raise ValueError(f"setting {name} must be true or false, got {value!r}")
+            setattr(self, name, value)
         llm_instance_group(self.device, cuda_available=lambda: False)  # validates the device's form
 
     @classmethod

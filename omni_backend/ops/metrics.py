@@ -17,6 +17,13 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_requests_running / _waiting    gauge      engine's running list / waiting queue
     omni_kv_cache_blocks_used / _total  gauge      paged KV cache blocks
     omni_preemptions_total              counter    recompute preemptions
+    omni_prefix_cache_queries_total     counter    prompt tokens looked up in the prefix cache at admission (a
+                                                   preempted request's again at its re-admission)
+    omni_prefix_cache_hits_total        counter    of those, tokens whose KV blocks were reused (hit rate: hits /
+                                                   queries, vLLM's prefix_cache_queries/_hits)
+    omni_prefix_cache_blocks            gauge      KV blocks holding a reusable prefix (in use or evictable)
+    omni_prefix_cache_enabled           gauge      1 when prefix caching is on, 0 when the enable_prefix_caching
+                                                   setting turned it off
     omni_oom_recoveries_total           counter    steps that ran out of device memory and were retried with
                                                    half the token budget (engine/scheduler.py)
     omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
@@ -80,6 +87,10 @@ class LLMStats:
     graph_replays: int = 0
     graph_padded_rows: int = 0
     eager_steps: int = 0
+    prefix_cache_enabled: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_blocks: int = 0
     governor_state: int = 0
     num_seqs_limit: int = 0
     power_w: float = 0.0
@@ -129,6 +140,12 @@ class LLMMetrics:
         self.kv_used = metric("omni_kv_cache_blocks_used", "KV cache blocks in use", G)
         self.kv_total = metric("omni_kv_cache_blocks_total", "KV cache blocks", G)
         self.preemptions = metric("omni_preemptions_total", "Sequences preempted (recompute)", C)
+        self.prefix_queries = metric("omni_prefix_cache_queries_total",
+                                     "Prompt tokens looked up in the prefix cache at admission", C)
+        self.prefix_hits = metric("omni_prefix_cache_hits_total",
+                                  "Prompt tokens whose KV blocks the prefix cache supplied", C)
+        self.prefix_blocks = metric("omni_prefix_cache_blocks", "KV blocks holding a reusable prefix", G)
+        self.prefix_enabled = metric("omni_prefix_cache_enabled", "1 when prefix caching is on", G)
         self.oom_recoveries = metric("omni_oom_recoveries_total",
                                      "Steps out of device memory, retried with half the token budget", C)
         steps = pb_utils.MetricFamily(name="omni_engine_steps_total", kind=C,
@@ -171,6 +188,8 @@ class LLMMetrics:
         last = self._last
         for metric, delta in ((self.prompt_tokens, prompt), (self.generation_tokens, generated),
                               (self.preemptions, stats.preemptions - last.preemptions),
+                              (self.prefix_queries, stats.prefix_cache_queries - last.prefix_cache_queries),
+                              (self.prefix_hits, stats.prefix_cache_hits - last.prefix_cache_hits),
                               (self.oom_recoveries, stats.oom_recoveries - last.oom_recoveries),
                               (self.graph_steps, stats.graph_replays - last.graph_replays),
                               (self.eager_steps, stats.eager_steps - last.eager_steps),
@@ -181,6 +200,9 @@ class LLMMetrics:
                                    (self.waiting, stats.waiting, last.waiting),
                                    (self.kv_used, stats.kv_blocks_used, last.kv_blocks_used),
                                    (self.kv_total, stats.kv_blocks_total, last.kv_blocks_total),
+                                   (self.prefix_blocks, stats.prefix_cache_blocks, last.prefix_cache_blocks),
+                                   (self.prefix_enabled, int(stats.prefix_cache_enabled),
+                                    int(last.prefix_cache_enabled)),
                                    (self.governor_state, stats.governor_state, last.governor_state),
                                    (self.num_seqs_limit, stats.num_seqs_limit, last.num_seqs_limit),
                                    (self.power, stats.power_w, last.power_w),

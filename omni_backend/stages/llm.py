@@ -29,6 +29,7 @@ requests get `stop_grace_s` (the exit timeout less STOP_MARGIN_S) to finish, and
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import os
 import queue
@@ -204,8 +205,9 @@ def engine_config_from_parameters(parameters: dict[str, str], device: str) -> En
             values[key] = p.pop(key)
     if p.get("gpu_memory_utilization"):
         values["gpu_memory_utilization"] = float(p.pop("gpu_memory_utilization"))
-    if p.get("enforce_eager"):
-        values["enforce_eager"] = p.pop("enforce_eager").lower() in ("1", "true", "yes")
+    for key in ("enforce_eager", "enable_prefix_caching"):
+        if p.get(key):
+            values[key] = p.pop(key).lower() in ("1", "true", "yes")
     return EngineConfig(**values)
 
 
@@ -307,6 +309,14 @@ class LLMService:
         self._inbox.put(("abort", request_id, None, None))
         self._wakeup.set()
 
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Forget every cached prefix (for benchmarks that must start cold), done by the engine loop before its
+        next step. Returns a future of the number of cached blocks dropped."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("reset", None, None, done))
+        self._wakeup.set()
+        return done
+
     def _engine_loop(self) -> None:
         self.engine.runner.device.bind_thread()  # kernels launch on the current device (engine/device.py)
         while not self._stopping.is_set():
@@ -355,7 +365,9 @@ class LLMService:
                 kind, request_id, prompt, params = self._inbox.get_nowait()  # prompt: (ids, embeds) for "add"
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "reset":
+                params.set_result(self.engine.runner.block_manager.reset_prefix_cache())  # params: the future
+            elif kind == "add":
                 try:
                     self.engine.add_request(request_id, prompt[0], params, prompt_embeds=prompt[1])
                 except ValueError as exc:
@@ -524,6 +536,8 @@ class LLMService:
             graph_replays=graphs.num_replays if graphs else 0,
             graph_padded_rows=graphs.num_padded_rows if graphs else 0,
             eager_steps=runner.num_eager_steps,
+            prefix_cache_enabled=blocks.enable_prefix_caching, prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits, prefix_cache_blocks=blocks.num_cached_blocks,
             governor_state=int(governor.state) if governor is not None else 0,
             num_seqs_limit=scheduler.num_seqs_limit,
             power_w=reading.power_w if reading else 0.0, temperature_c=reading.temperature_c if reading else 0.0,

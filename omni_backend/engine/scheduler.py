@@ -20,7 +20,10 @@ Each step, in this order:
    into them or can no longer need them (a sequence needs at most prompt + max_tokens tokens), so a victim is
    never admitted back into the room it left for the others. A sequence is admitted only when the prefill
    budget (4.) would give it a token with the sequences admitted before it; shorter prompts admitted after it in
-   the same step may still take that token, and it gets its share in a later step.
+   the same step may still take that token, and it gets its share in a later step. With prefix caching, the
+   leading full blocks of its tokens already in the cache (`BlockManager.cached_prefix`) become its first blocks
+   and its prefill starts after them: they count against the free blocks only when they are evictable (free
+   until taken), and its remaining prompt is what the prefill budget sees.
 3. **Overtaking, with aging.** A waiting sequence that does not fit does not stop the queue: the ones behind
    it that fit are admitted, but only while it would not fit even if every running sequence that arrived after
    it gave its blocks back. Once it would, nothing behind it is admitted until it is, so later arrivals never

@@ -132,14 +132,15 @@ def test_engine_config_from_triton_parameters(tiny_qwen2_path):
         "model_path": tiny_qwen2_path, "device": "auto", "dtype": "float32", "block_size": "32",
         "kv_cache_bytes": "1048576", "max_num_seqs": "4", "max_num_batched_tokens": "64",
         "max_model_len": "256", "attention_backend": "auto", "gpu_memory_utilization": "0.5",
-        "enforce_eager": "true", "cpu_threads": "3"}, device="cuda:1")
+        "enforce_eager": "true", "cpu_threads": "3", "enable_prefix_caching": "false"}, device="cuda:1")
     assert (config.device, config.block_size, config.kv_cache_bytes, config.max_num_seqs, config.max_model_len,
-            config.gpu_memory_utilization, config.enforce_eager, config.cpu_threads) == (
-        "cuda:1", 32, 1048576, 4, 256, 0.5, True, 3)
+            config.gpu_memory_utilization, config.enforce_eager, config.cpu_threads,
+            config.enable_prefix_caching) == ("cuda:1", 32, 1048576, 4, 256, 0.5, True, 3, False)
     default = engine_config_from_parameters({"model_path": "x", "kv_cache_bytes": "0", "cpu_threads": "0"},
                                             device="cpu")
     assert default.kv_cache_bytes is None  # 0: the device's default (engine/memory.py)
     assert default.cpu_threads == 0  # 0: automatic (ops.hardware.cpu_engine_threads)
+    assert default.enable_prefix_caching
     for bad in ({"block_size": "sixteen"}, {"cpu_threads": "-1"}):
         with pytest.raises(ValueError):
             engine_config_from_parameters({"model_path": "x", **bad}, device="cpu")
@@ -332,3 +333,18 @@ def test_the_heartbeat_stops_when_a_loop_is_stuck_not_when_a_step_is_slow(tiny_q
     assert before <= service.heartbeat_time() <= time.time()
     service._progress["engine loop"] = time.monotonic() - LOOP_STUCK_AFTER_S - 5  # stuck
     assert time.time() - LOOP_STUCK_AFTER_S - 6 <= service.heartbeat_time() <= time.time() - LOOP_STUCK_AFTER_S - 5
+
+
+def test_reset_prefix_cache_drops_the_cached_blocks_between_steps(service):
+    prompt = list(range(300, 340))  # 40 tokens: 2 full blocks
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for name in ("first", "second"):
+        sink = ListSink()
+        service.submit(name, prompt, params, sink)
+        assert sink.done.wait(30)
+    assert sink.outputs[-1].cached_tokens == 32
+    assert service.reset_prefix_cache().result(timeout=10) == 2  # the prompt's two full blocks
+    sink = ListSink()
+    service.submit("third", prompt, params, sink)
+    assert sink.done.wait(30)
+    assert sink.outputs[-1].cached_tokens == 0

@@ -294,9 +294,9 @@ def _twins(params: list[SamplingParams], prompts: list[list[int]]) -> tuple[list
 def _assert_same_as_reference(steps: list[torch.Tensor], ours: list[Sequence], theirs: list[Sequence]) -> int:
     """Sample each step with both samplers; each sequence gets its own sampler's token. Seeded and greedy rows:
     the same token. Rows asking for logprobs: the chosen token's logprob and the top-n, within float32 rounding
-    (1e-5; the reference's log_softmax is off by up to 1.1e-5 on these logits, ours by 2e-6) of a float64
-    log_softmax, the same top-n values as the reference, ids that carry them (among equal values the order of
-    ids is free). Returns how many seeded or greedy rows were compared."""
+    (1e-5; the reference's log_softmax is off by up to 1.1e-5 on these logits on an AVX-512 Intel Xeon and by
+    2.03e-5 on an AVX2-only AMD EPYC, ours by 2e-6) of a float64 log_softmax, the same top-n values as the
+    reference within 3e-5, ids that carry them (among equal values the order of ids is free). Returns how many seeded or greedy rows were compared."""
     compared = 0
     for logits in steps:
         got = Sampler()(logits, ours)
@@ -310,7 +310,7 @@ def _assert_same_as_reference(steps: list[torch.Tensor], ours: list[Sequence], t
                 chosen, top = got.logprobs[row]
                 assert chosen == pytest.approx(log_probs[row, got.token_ids[row]].item(), abs=1e-5)
                 assert [v for _, v in top] == pytest.approx([log_probs[row, t].item() for t, _ in top], abs=1e-5)
-                assert [v for _, v in top] == pytest.approx([v for _, v in want.logprobs[row][1]], abs=2e-5)
+                assert [v for _, v in top] == pytest.approx([v for _, v in want.logprobs[row][1]], abs=3e-5)
                 assert len({t for t, _ in top}) == len(top)
             else:
                 assert got.logprobs[row] is None

@@ -86,6 +86,9 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     served.append(stream_infer(server.grpc_url, {"text_input": chat_messages("What is the capital of France?"),
                                                  "max_tokens": 16, "stream": True, "temperature": 0}))
     served.append(stream_infer(server.grpc_url, {"text_input": "One", "max_tokens": 1, "stream": True}))
+    # the same chat again: its full prompt blocks come from the prefix cache
+    served.append(stream_infer(server.grpc_url, {"text_input": chat_messages("What is the capital of France?"),
+                                                 "max_tokens": 4, "stream": True, "temperature": 0}))
     status, body = http_generate(server.http_url, {"text_input": "Once upon a time", "max_tokens": 6,
                                                    "temperature": 0})
     assert status == 200, body
@@ -115,6 +118,13 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     assert value(after, "omni_requests_running") == 0 and value(after, "omni_requests_waiting") == 0
     assert value(after, "omni_kv_cache_blocks_used") == 0 < value(after, "omni_kv_cache_blocks_total")
     assert "omni_preemptions_total" in after and delta("omni_preemptions_total") == 0
+    # prefix cache: every prompt token looked up once (no preemption); the repeated chat's full blocks hit (16-token
+    # blocks, its last token always computed); earlier tests may have left other prompts of these in the cache
+    repeated = served[-1].last("prompt_tokens")
+    assert delta("omni_prefix_cache_queries_total") == prompt
+    assert (repeated - 1) // 16 * 16 <= delta("omni_prefix_cache_hits_total") < prompt
+    assert value(after, "omni_prefix_cache_blocks") >= (repeated - 1) // 16
+    assert value(after, "omni_prefix_cache_enabled") == 1
     assert delta("omni_engine_steps_total", mode="eager") >= max(completion)  # CPU: every step eager
     assert value(after, "omni_engine_steps_total", mode="cuda_graph") == 0
     assert "omni_cuda_graph_padded_rows_total" in after

@@ -260,3 +260,32 @@ def test_aborted_requests_leave_reusable_blocks_and_the_next_request_is_right(sm
     reference = LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", max_model_len=512, num_kv_blocks=64,
                                        enable_prefix_caching=False)).generate([prompt], params)[0]
     assert again.token_ids == reference.token_ids
+
+
+def test_images_behind_the_same_placeholder_ids_reuse_only_their_own_blocks(tiny_qwen2_path):
+    """Prompt: 20 text tokens, 24 image placeholders (positions 20-43), 10 text tokens (54 tokens, 3 full blocks
+    can hit). Image B after image A reuses block 0 only (its blocks 1 and 2 hold B's embeddings); image A again
+    reuses all 3; the tokens equal those of an engine without the cache."""
+    prompt = list(range(300, 320)) + [7] * 24 + list(range(400, 410))
+    positions = torch.arange(20, 44)
+    generator = torch.Generator().manual_seed(0)
+    image_a, image_b = torch.randn(24, 64, generator=generator), torch.randn(24, 64, generator=generator)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def run(enable: bool) -> list[tuple[list, int]]:
+        engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                        max_model_len=128, enable_prefix_caching=enable))
+        results = []
+        for name, image in (("a", image_a), ("b", image_b), ("a-again", image_a)):
+            engine.add_request(name, prompt, params, prompt_embeds=PromptEmbeds(positions, image.clone()))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:  # a random tiny model repeats tokens: compare logprobs too
+                        results.append(([(lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs],
+                                        out.cached_tokens))
+        return results
+
+    on, off = run(True), run(False)
+    assert [tokens for tokens, _ in on] == [tokens for tokens, _ in off]
+    assert on[0][0] != on[1][0]  # the images do change the answer
+    assert [cached for _, cached in on] == [0, 16, 48]

@@ -30,6 +30,7 @@ class _Sink:
             pb_utils.Tensor("finish_reason", np.array([(output.finish_reason or "").encode()], dtype=np.object_)),
             pb_utils.Tensor("prompt_tokens", np.array([output.prompt_tokens], dtype=np.int32)),
             pb_utils.Tensor("completion_tokens", np.array([output.completion_tokens], dtype=np.int32)),
+            pb_utils.Tensor("cached_tokens", np.array([output.cached_tokens], dtype=np.int32)),
             pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
             pb_utils.Tensor("prompt_token_logprobs", np.array([prompt_logprobs.encode()], dtype=np.object_)),
         ]

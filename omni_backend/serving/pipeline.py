@@ -80,7 +80,16 @@ class Prepared:
 
 @dataclass
 class Step:
-    """One response of the pipeline (one text delta when streaming, the whole text otherwise)."""
+    """One response of the pipeline (one text delta when streaming, the whole text otherwise).
+
+    Attributes:
+        text: the text delta (the whole text when not streaming).
+        finish_reason: None until the last Step, then "stop", "length" or "abort".
+        prompt_tokens, completion_tokens: cumulative token counts.
+        logprobs, prompt_logprobs: postprocess's logprob entries, None when not asked for.
+        cached_tokens: prompt tokens whose KV the llm stage's prefix cache supplied (0 without a hit, or from a
+            pipeline whose wiring does not carry `cached_tokens`).
+    """
 
     text: str
     finish_reason: str | None
@@ -88,6 +97,7 @@ class Step:
     completion_tokens: int
     logprobs: list[dict] | None
     prompt_logprobs: list[dict] | None = None
+    cached_tokens: int = 0
 
 
 WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
@@ -447,6 +457,7 @@ class TritonPipeline(TritonGrpcUser):
             completion_tokens=int(_scalar(outputs.get("completion_tokens"), 0)),
             logprobs=_json_list(outputs, "output_logprobs"),
             prompt_logprobs=_json_list(outputs, "prompt_token_logprobs"),
+            cached_tokens=int(_scalar(outputs.get("cached_tokens"), 0)),
         )
 
 

@@ -67,11 +67,20 @@ OUTPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tok
 
 
 def stream_infer(grpc_url: str, values: dict, model: str = "omni_chat", timeout_s: float = 180.0) -> StreamResult:
-    """Send one request over a gRPC stream and collect its responses until the final one (or an error).
+    """Send one request (`{tensor name: value}`, see make_inputs) over a gRPC stream and collect its responses until
+    the final one (or an error).
 
     Raises:
         TimeoutError: no final response within `timeout_s`.
     """
+    import tritonclient.grpc as grpcclient
+
+    return stream_inputs(grpc_url, make_inputs(values, grpcclient), model, timeout_s)
+
+
+def stream_inputs(grpc_url: str, inputs: list, model: str, timeout_s: float = 180.0,
+                  parameters: dict | None = None) -> StreamResult:
+    """`stream_infer` for tritonclient InferInputs, with optional request `parameters`."""
     import tritonclient.grpc as grpcclient
 
     events: queue.Queue = queue.Queue()
@@ -79,7 +88,7 @@ def stream_infer(grpc_url: str, values: dict, model: str = "omni_chat", timeout_
     result = StreamResult()
     try:
         client.start_stream(callback=lambda result, error: events.put((result, error)))
-        client.async_stream_infer(model, make_inputs(values, grpcclient), enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
         while True:
             try:
                 response, error = events.get(timeout=timeout_s)

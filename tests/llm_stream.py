@@ -10,14 +10,14 @@ import tritonclient.grpc as grpcclient
 from chat_client import chat_messages, make_inputs
 
 
-def llm_inputs(grpc_url: str, prompt: str, max_tokens: int) -> list:
-    """The llm model's inputs for a greedy chat request (`ignore_eos`: exactly max_tokens tokens), made by the
-    server's own preprocess stage."""
+def llm_inputs(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -> list:
+    """The llm model's inputs for a greedy request (`ignore_eos`: exactly max_tokens tokens), made by the server's
+    own preprocess stage: `prompt` as a user message (`chat`) or as plain text the model continues."""
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
         result = client.infer("preprocess", make_inputs(
-            {"text_input": chat_messages(prompt), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-             "ignore_eos": True}, grpcclient))
+            {"text_input": chat_messages(prompt) if chat else prompt, "max_tokens": max_tokens, "temperature": 0.0,
+             "stream": True, "ignore_eos": True}, grpcclient))
     finally:
         client.close()
     inputs = []

@@ -62,12 +62,16 @@ def test_run_passes_text_and_counts_through(postprocessor):
         "finish_reason": np.array([b"stop"], dtype=np.object_),
         "prompt_tokens": np.array([37], dtype=np.int32),
         "completion_tokens": np.array([8], dtype=np.int32),
+        "cached_tokens": np.array([32], dtype=np.int32),
         "output_logprobs": np.array([b""], dtype=np.object_),
     }
     out = postprocessor.run(arrays)
     assert out["text_output"].tolist() == [b"Paris."] and out["finish_reason"].tolist() == [b"stop"]
     assert out["prompt_tokens"].tolist() == [37] and out["completion_tokens"].tolist() == [8]
+    assert out["cached_tokens"].tolist() == [32] and out["cached_tokens"].dtype == np.int32
     assert out["prompt_tokens"].dtype == np.int32 and out["output_logprobs"].tolist() == [b""]
+    del arrays["cached_tokens"]  # optional: an llm without a prefix cache hit count means none reused
+    assert postprocessor.run(arrays)["cached_tokens"].tolist() == [0]
 
 
 def test_malformed_logprobs_raise_value_error(postprocessor):

@@ -49,6 +49,7 @@ def test_postprocess_converts_logprobs(stages_server):
         "finish_reason": np.array([b"stop"], dtype=np.object_),
         "prompt_tokens": np.array([37], dtype=np.int32),
         "completion_tokens": np.array([1], dtype=np.int32),
+        "cached_tokens": np.array([32], dtype=np.int32),
         "output_logprobs": np.array([engine_logprobs.encode()], dtype=np.object_),
     }.items():
         tensor = httpclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else "INT32")
@@ -58,6 +59,7 @@ def test_postprocess_converts_logprobs(stages_server):
         result = client.infer("postprocess", inputs)
     assert result.as_numpy("text_output").tolist() == [b" France"]
     assert result.as_numpy("finish_reason").tolist() == [b"stop"]
+    assert result.as_numpy("cached_tokens").tolist() == [32]
     logprobs = json.loads(result.as_numpy("output_logprobs")[0])
     assert logprobs[0]["token"] == " France" and logprobs[0]["bytes"] == list(b" France")
     assert logprobs[0]["top_logprobs"][1] == {"token": "?", "bytes": [63], "logprob": -1.5}

@@ -39,6 +39,19 @@ def restricted_api_flags(admin_key: str) -> list[str]:
             f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={admin_key}"]
 RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
 
+
+def admin_key_of(flags: dict[str, str]) -> str | None:
+    """The operator's key in a tritonserver's flags (name without dashes -> value, as
+    `omni_backend.stages.llm.tritonserver_flags` reads a command line): what `restricted_api_flags` gives the
+    `omni-admin-key` header. None when no restricted-API flag names that header."""
+    for name in ("grpc-restricted-protocol", "http-restricted-api"):
+        _, _, rule = flags.get(name, "").partition(":")  # "<apis>:<header>=<key>"
+        header, _, key = rule.partition("=")
+        if header == ADMIN_KEY_HEADER and key:
+            return key
+    return None
+
+
 # Triton log lines: severity letter + MMDD, e.g. "E1130 12:20:40.581361 4748 model_lifecycle.cc:642] ...".
 _ERROR_LINE = re.compile(r"^E\d{4} ")
 _HARMLESS = re.compile(r"CudaDriverHelper has not been initialized|unable to create stream for .*CUDA driver")

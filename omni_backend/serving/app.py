@@ -24,7 +24,7 @@ from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.front_door import FrontDoor
 from omni_backend.serving.metrics import ObserveRequests
-from omni_backend.serving.routes import chat, images, operations, speech, triton_v2
+from omni_backend.serving.routes import admin, chat, images, operations, speech, triton_v2
 
 logger = logging.getLogger("omni_backend.serving")
 
@@ -42,7 +42,7 @@ def create_app(config: ServingConfig) -> FastAPI:
                   redoc_url=None, openapi_url=None)
     app.state.door = door
     install_error_handlers(app)
-    for module in (operations, chat, speech, images):
+    for module in (operations, chat, speech, images, admin):
         app.include_router(module.router)
     app.include_router(operations.models_router)
     app.include_router(triton_v2.router)

@@ -1,13 +1,15 @@
 """What every route shares: the served pipelines and the speech and image backends, admission (the limit on
-requests in flight), metrics, the HTTP session to Triton, and the API key check."""
+requests in flight), metrics, the HTTP session to Triton, and the API key and operator key checks."""
 
 from __future__ import annotations
 
+import hmac
 from contextlib import asynccontextmanager
 
 import aiohttp
 from fastapi import Request
 
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
 from omni_backend.serving import errors
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError
@@ -107,3 +109,22 @@ async def require_api_key(request: Request) -> None:
     if scheme.lower() != "bearer" or token.strip() != key:
         raise OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                           "authentication_error", None, "invalid_api_key")
+
+
+def is_operator(request: Request) -> bool:
+    """The request carries the operator's key in the `omni-admin-key` header (none configured: nobody is the
+    operator here)."""
+    key = door_of(request).config.admin_key
+    given = request.headers.get(ADMIN_KEY_HEADER)
+    return bool(key) and given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+async def require_operator_key(request: Request) -> None:
+    """A route dependency for the operator's routes: the operator's key in the `omni-admin-key` header.
+
+    Raises:
+        OpenAIError: 403 without it (the status of the other restricted routes, `/v2` beyond inference).
+    """
+    if not is_operator(request):
+        raise OpenAIError(403, f"{request.method} {request.url.path} needs the operator's key in the "
+                          f"'{ADMIN_KEY_HEADER}' header", "permission_error", None, "permission_denied")

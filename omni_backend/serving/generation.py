@@ -100,7 +100,8 @@ class Choice:
     def _shown(self, step: Step) -> Step:
         if not self.prompt_only:
             return step
-        return Step("", "length" if step.finish_reason else None, step.prompt_tokens, 0, None, step.prompt_logprobs)
+        return Step("", "length" if step.finish_reason else None, step.prompt_tokens, 0, None, step.prompt_logprobs,
+                    step.cached_tokens)
 
     async def close(self) -> None:
         if self.steps is not None:
@@ -191,7 +192,7 @@ class Generation:
 
 @dataclass
 class ChoiceResult:
-    """A choice run to its end."""
+    """A choice run to its end (token counts as in `Step`)."""
 
     text: str
     finish_reason: str | None
@@ -199,10 +200,12 @@ class ChoiceResult:
     completion_tokens: int
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict] | None = None
+    cached_tokens: int = 0
 
 
 async def collect(generation: Generation) -> list[ChoiceResult]:
-    """Run every choice to the end: per choice its text, logprob entries, finish reason and token counts."""
+    """Run every choice to the end: per choice its text, logprob entries, finish reason and token counts (prompt,
+    completion, and the prompt tokens the prefix cache supplied)."""
     texts: list[list[str]] = [[] for _ in generation.choices]
     out = [ChoiceResult("", None, c.prepared.prompt_tokens, 0) for c in generation.choices]
     async for choice, step in generation.merged():
@@ -216,6 +219,7 @@ async def collect(generation: Generation) -> list[ChoiceResult]:
         if step.finish_reason:
             item.finish_reason = step.finish_reason
             item.prompt_tokens = step.prompt_tokens or item.prompt_tokens
+            item.cached_tokens = step.cached_tokens
     for item, text in zip(out, texts):
         item.text = "".join(text)
     return out

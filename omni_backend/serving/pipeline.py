@@ -30,6 +30,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
 from omni_backend.vocabulary import BY_PARAM, tensor_value_problem
 
@@ -80,7 +81,16 @@ class Prepared:
 
 @dataclass
 class Step:
-    """One response of the pipeline (one text delta when streaming, the whole text otherwise)."""
+    """One response of the pipeline (one text delta when streaming, the whole text otherwise).
+
+    Attributes:
+        text: the text delta (the whole text when not streaming).
+        finish_reason: None until the last Step, then "stop", "length" or "abort".
+        prompt_tokens, completion_tokens: cumulative token counts.
+        logprobs, prompt_logprobs: postprocess's logprob entries, None when not asked for.
+        cached_tokens: prompt tokens whose KV the llm stage's prefix cache supplied (0 without a hit, or from a
+            pipeline whose wiring does not carry `cached_tokens`).
+    """
 
     text: str
     finish_reason: str | None
@@ -88,6 +98,7 @@ class Step:
     completion_tokens: int
     logprobs: list[dict] | None
     prompt_logprobs: list[dict] | None = None
+    cached_tokens: int = 0
 
 
 WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
@@ -382,12 +393,50 @@ class TritonPipeline(TritonGrpcUser):
             raise internal(f"the {info.llm.model} stream ended before its final response")
         except grpc.aio.AioRpcError as exc:
             finished = True
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                raise unavailable(f"Triton is unavailable: {exc.details()}") from None
-            raise internal(f"the {info.llm.model} stream failed: {exc.code().name}: {exc.details()}") from None
+            raise _stream_failure(exc, info.llm.model) from None
         finally:
             if not finished:
                 stream.cancel()
+
+    async def reset_prefix_cache(self, admin_key: str) -> int:
+        """Make the llm stage drop every cached prompt prefix: its `reset_prefix_cache` input, with `admin_key` in
+        the request parameter `omni-admin-key` (the stage takes only tritonserver's operator key). With several
+        instances of the llm model (one per GPU) the request reaches one of them.
+
+        Returns:
+            the number of cached KV blocks dropped.
+
+        Raises:
+            OpenAIError: the stage's refusal (400 naming `omni-admin-key` when tritonserver's operator key is not
+                `admin_key`), 503 when Triton or the stage is unavailable, 500 otherwise.
+        """
+        info = await self.info()
+        flag = grpcclient.InferInput("reset_prefix_cache", [1], "BOOL")
+        flag.set_data_from_numpy(np.array([True]))
+
+        async def one_request():
+            yield {"model_name": info.llm.model, "inputs": [flag], "parameters": {ADMIN_KEY_HEADER: admin_key}}
+
+        stream = self.client.stream_infer(one_request())
+        answered = False
+        try:
+            item = await self._next_response(stream, info.llm.model)
+            answered = True
+        except grpc.aio.AioRpcError as exc:
+            answered = True
+            raise _stream_failure(exc, info.llm.model) from None
+        finally:
+            if not answered:
+                stream.cancel()
+        if item is None:
+            raise internal(f"the {info.llm.model} stream ended before its answer to reset_prefix_cache")
+        result, error = item
+        if error is not None:
+            raise from_triton(error.message(), None, None, lambda name: name)
+        dropped = result.as_numpy("dropped_blocks")
+        if dropped is None:
+            raise internal(f"the {info.llm.model} stage answered reset_prefix_cache without dropped_blocks")
+        return int(_scalar(dropped))
 
     async def _next_response(self, stream, model: str):
         """The stream's next (result, error), or None at its end.
@@ -447,7 +496,16 @@ class TritonPipeline(TritonGrpcUser):
             completion_tokens=int(_scalar(outputs.get("completion_tokens"), 0)),
             logprobs=_json_list(outputs, "output_logprobs"),
             prompt_logprobs=_json_list(outputs, "prompt_token_logprobs"),
+            cached_tokens=int(_scalar(outputs.get("cached_tokens"), 0)),
         )
+
+
+def _stream_failure(exc: grpc.aio.AioRpcError, model: str) -> OpenAIError:
+    """The OpenAIError for a gRPC stream to `model` that failed as a whole: 503 when Triton is unavailable or out
+    of resources, else 500."""
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return unavailable(f"Triton is unavailable: {exc.details()}")
+    return internal(f"the {model} stream failed: {exc.code().name}: {exc.details()}")
 
 
 # postprocess inputs that it rewrites; it passes its other inputs through (omni_backend/stages/postprocess.py)

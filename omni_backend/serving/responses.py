@@ -41,10 +41,12 @@ def completion_logprobs(entries: list[dict], text_offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(request: GenerationRequest, prompt_tokens: list[int], completion_tokens: list[int]) -> dict:
-    """Usage over all choices (`prompt_tokens`/`completion_tokens` per choice): each prompt counted once, every
-    choice's completion tokens."""
-    return protocol.usage(sum(prompt_tokens[::request.n]), sum(completion_tokens))
+def usage(request: GenerationRequest, prompt_tokens: list[int], completion_tokens: list[int],
+          cached_tokens: list[int]) -> dict:
+    """Usage over all choices (token counts per choice, in choice order): each prompt counted once, with the
+    cached tokens of its first choice (the choices of a prompt are separate engine requests, which may find
+    different cached prefixes), and every choice's completion tokens."""
+    return protocol.usage(sum(prompt_tokens[::request.n]), sum(completion_tokens), sum(cached_tokens[::request.n]))
 
 
 def completion_object(request: GenerationRequest, generation: Generation, results: list[ChoiceResult],
@@ -66,7 +68,8 @@ def completion_object(request: GenerationRequest, generation: Generation, result
     return {"id": request_id, "object": "chat.completion" if request.kind == "chat" else "text_completion",
             "created": protocol.now(), "model": request.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
-            "usage": usage(request, [r.prompt_tokens for r in results], [r.completion_tokens for r in results])}
+            "usage": usage(request, [r.prompt_tokens for r in results], [r.completion_tokens for r in results],
+                           [r.cached_tokens for r in results])}
 
 
 async def stream_events(request: GenerationRequest, generation: Generation, request_id: str) -> AsyncIterator:
@@ -88,6 +91,7 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
 
     completion_tokens = {c.index: 0 for c in generation.choices}
     prompt_tokens = {c.index: c.prepared.prompt_tokens for c in generation.choices}
+    cached_tokens = {c.index: 0 for c in generation.choices}
     text_offset = {c.index: 0 for c in generation.choices}
     echoed = {c.index: not request.echo for c in generation.choices}
     try:
@@ -97,6 +101,7 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
         async for choice, step in generation.merged():
             i = choice.index
             completion_tokens[i] = step.completion_tokens
+            cached_tokens[i] = step.cached_tokens
             if step.finish_reason and step.prompt_tokens:
                 prompt_tokens[i] = step.prompt_tokens
             if chat:
@@ -124,7 +129,7 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
         if request.include_usage:
             indices = sorted(prompt_tokens)
             yield chunk([], usage=usage(request, [prompt_tokens[i] for i in indices],
-                                        [completion_tokens[i] for i in indices]))
+                                        [completion_tokens[i] for i in indices], [cached_tokens[i] for i in indices]))
         yield ServerSentEvent("[DONE]")
     except OpenAIError as exc:
         yield ServerSentEvent(json.dumps(exc.body()))

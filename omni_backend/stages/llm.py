@@ -18,6 +18,12 @@ Errors reach a request's stream as `StageError`s (`omni_backend.vocabulary`): th
 header, because Triton 2.51 hands a decoupled model's clients only the message. A step or loop that fails is
 INTERNAL, a request the engine cannot take INVALID_ARGUMENT, the server shutting down UNAVAILABLE.
 
+Prefix cache reset (for benchmarks that must start cold): a request whose `reset_prefix_cache` input is true, with
+the operator's key (the one tritonserver's restricted-API flags hold) in its request parameter `omni-admin-key`,
+makes the engine loop forget every cached prefix before its next step; its one response carries `dropped_blocks`.
+`input_ids` and `sampling_params` are optional in the model's config only for that request (`generation_inputs`
+refuses a generation request without them).
+
 Shutdown: tritonserver keeps the model loaded while requests it accepted still stream, but when its
 `--exit-timeout-secs` runs out with a decoupled request in flight, 2.51 crashes in its teardown (signal 11/6 seen)
 and hangs without answering those clients. So while requests are held a watch thread asks every 0.5 s whether the
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hmac
 import logging
 import os
 import queue
@@ -39,16 +46,19 @@ import urllib.error
 import urllib.request
 from typing import Callable, Protocol
 
+import numpy as np
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, admin_key_of
 from omni_backend.ops.governor import Governor, GovernorConfig
 from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
 from omni_backend.ops.hardware import cpu_engine_threads, resolve_device, runtime_versions
 from omni_backend.ops.metrics import FinishedRequest, LLMMetrics, LLMStats
-from omni_backend.vocabulary import ErrorKind, StageError
+from omni_backend.stages.tensors import one_value
+from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,8 @@ STOP_MARGIN_S = 3.0  # aborting, the last responses and unloading must fit betwe
 CANCEL_POLL_SPACING = 4
 LOOP_STUCK_AFTER_S = 20.0
 QUEUE_FULL_RETRY_AFTER_S = 1
+RESET_TIMEOUT_S = 60.0  # the longest an operator's reset waits for the engine loop (it comes between two steps)
+INPUT_NAMES = ("input_ids", "sampling_params", "reset_prefix_cache")  # the llm model's inputs read as arrays
 
 
 class QueueFull(StageError):
@@ -101,6 +113,38 @@ def max_queued_requests_from_parameters(parameters: dict[str, str]) -> int:
     return value
 
 
+def is_reset_request(arrays: dict) -> bool:
+    """Whether the llm model's input arrays (input name -> numpy array, `INPUT_NAMES` that are present) are an
+    operator's prefix cache reset: `reset_prefix_cache` BOOL [1] true.
+
+    Raises:
+        FieldError: `reset_prefix_cache` true together with a generation input (a reset is a request of its own).
+    """
+    if not one_value(arrays, "reset_prefix_cache", bool, False):
+        return False
+    given = [name for name in ("input_ids", "sampling_params") if name in arrays]
+    if given:
+        raise FieldError("reset_prefix_cache", f"is a request of its own: send it without {' and '.join(given)}")
+    return True
+
+
+def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams]:
+    """A generation request's prompt token ids and sampling parameters from the llm model's input arrays
+    (`input_ids` INT32 [n], `sampling_params` STRING [1], the JSON of a SamplingParams).
+
+    Both are optional in the model's config only so that a reset request (`is_reset_request`) can go without them.
+
+    Raises:
+        FieldError: `input_ids` or `sampling_params` missing, or `sampling_params` not one UTF-8 string.
+        ValueError: `sampling_params` that SamplingParams.from_json refuses.
+    """
+    for name in ("input_ids", "sampling_params"):
+        if name not in arrays:
+            raise FieldError(name, "is required (a generation request takes input_ids and sampling_params)")
+    ids = np.asarray(arrays["input_ids"]).reshape(-1).tolist()
+    return ids, SamplingParams.from_json(one_value(arrays, "sampling_params", str))
+
+
 def tritonserver_flags(cmdline: list[str]) -> dict[str, str]:
     """`--name=value` and `--name value` flags of a tritonserver command line, by name without dashes."""
     flags, i = {}, 1
@@ -115,6 +159,27 @@ def tritonserver_flags(cmdline: list[str]) -> dict[str, str]:
     return flags
 
 
+def parent_tritonserver_flags(pid: int | None = None) -> dict[str, str] | None:
+    """The flags (`tritonserver_flags`) of the tritonserver that started this stub process (its parent, or `pid`);
+    None when that process is not a tritonserver or its command line cannot be read."""
+    try:
+        with open(f"/proc/{pid or os.getppid()}/cmdline", "rb") as file:
+            cmdline = [part.decode(errors="replace") for part in file.read().split(b"\0") if part]
+    except OSError:
+        return None
+    if not cmdline or not os.path.basename(cmdline[0]).startswith("tritonserver"):
+        return None
+    return tritonserver_flags(cmdline)
+
+
+def parent_operator_key(pid: int | None = None) -> str | None:
+    """The operator's key of the tritonserver that started this stub process (its parent, or `pid`): the one its
+    restricted-API flags require in the `omni-admin-key` header (launch.tritonserver.admin_key_of). None when
+    the parent is not a tritonserver or restricts nothing with that header (then nobody may reset the cache)."""
+    flags = parent_tritonserver_flags(pid)
+    return admin_key_of(flags) if flags is not None else None
+
+
 def parent_server_probe(pid: int | None = None) -> tuple[Callable[[], bool] | None, int | None]:
     """(probe, exit timeout in s) for the tritonserver that started this stub process (its parent, or `pid`).
 
@@ -124,14 +189,9 @@ def parent_server_probe(pid: int | None = None) -> tuple[Callable[[], bool] | No
     it: `pb_utils.is_model_ready` raises once shutdown began, but a second call from a thread hung the stub here.
     (None, None) when the parent is not a tritonserver with HTTP on (the watch is then off).
     """
-    try:
-        with open(f"/proc/{pid or os.getppid()}/cmdline", "rb") as file:
-            cmdline = [part.decode(errors="replace") for part in file.read().split(b"\0") if part]
-    except OSError:
+    flags = parent_tritonserver_flags(pid)
+    if flags is None:
         return None, None
-    if not cmdline or not os.path.basename(cmdline[0]).startswith("tritonserver"):
-        return None, None
-    flags = tritonserver_flags(cmdline)
     if flags.get("allow-http", "true").lower() in ("false", "0", "no"):
         return None, None
     try:
@@ -224,6 +284,8 @@ class LLMService:
         stopping: probe, True once the server is shutting down or unloading the model (None: never asked).
         stop_grace_s: seconds requests may run on after `stopping` first says True (after it has said False at
             least once); then the ones still held are aborted. None: never aborted.
+        operator_key: the key `reset_prefix_cache_as_operator` requires (`parent_operator_key`); None: nobody
+            may reset through it.
 
     Raises:
         ValueError: max_queued_requests < 0.
@@ -231,7 +293,8 @@ class LLMService:
 
     def __init__(self, engine: LLMEngine, governor: Governor | None = None, metrics: LLMMetrics | None = None,
                  metrics_interval_s: float = 1.0, max_queued_requests: int = 0,
-                 stopping: Callable[[], bool] | None = None, stop_grace_s: float | None = None):
+                 stopping: Callable[[], bool] | None = None, stop_grace_s: float | None = None,
+                 operator_key: str | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
@@ -243,6 +306,7 @@ class LLMService:
         self.capacity = engine.config.max_num_seqs + max_queued_requests if max_queued_requests else None
         self.num_rejected = 0  # requests refused with QueueFull since start
         self.stopping, self.stop_grace_s = stopping, stop_grace_s
+        self.operator_key = operator_key
         self._seen_ready = False  # `stopping` said False once (a probe that never works never aborts anything)
         self._probe_failed = False  # the traceback of a failing probe is logged once
         self.stop_deadline: float | None = None  # time.monotonic() when held requests are aborted
@@ -316,6 +380,34 @@ class LLMService:
         self._inbox.put(("reset", None, None, done))
         self._wakeup.set()
         return done
+
+    def reset_prefix_cache_as_operator(self, given_key: object, timeout_s: float = RESET_TIMEOUT_S) -> int:
+        """An operator's `reset_prefix_cache` request: `reset_prefix_cache`, waited for (the engine loop does it
+        between two steps).
+
+        Args:
+            given_key: the key the request carries (its `omni-admin-key` parameter: a string), None without one.
+            timeout_s: the longest wait for the engine loop (seconds).
+
+        Returns:
+            the number of cached KV blocks dropped.
+
+        Raises:
+            StageError: INVALID_ARGUMENT (field `omni-admin-key`) when `given_key` is not `operator_key` or there is
+                none; UNAVAILABLE when the engine loop did not get to it within `timeout_s` (it is done later).
+        """
+        if not self.operator_key:
+            raise StageError(ErrorKind.INVALID_ARGUMENT, f"{ADMIN_KEY_HEADER} cannot open a prefix cache reset: "
+                             "this tritonserver has no operator key (no restricted-API flag for that header)",
+                             ADMIN_KEY_HEADER)
+        if not isinstance(given_key, str) or not hmac.compare_digest(given_key.encode(), self.operator_key.encode()):
+            raise StageError(ErrorKind.INVALID_ARGUMENT, f"{ADMIN_KEY_HEADER} (a request parameter) must be the "
+                             "operator's key to reset the prefix cache", ADMIN_KEY_HEADER)
+        try:
+            return self.reset_prefix_cache().result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise StageError(ErrorKind.UNAVAILABLE, f"the engine loop did not reset the prefix cache within "
+                             f"{timeout_s:.0f} s (it will when it gets to it)") from None
 
     def _engine_loop(self) -> None:
         self.engine.runner.device.bind_thread()  # kernels launch on the current device (engine/device.py)
@@ -630,6 +722,8 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     instance Triton describes (`instance_device`); not started. On a GPU the process is first capped at
     `gpu_memory_utilization` of the device (ops/gpu_budget.py), the share the engine sizes its KV cache in. A CPU
     engine gets `cpu_threads` torch threads, 0 meaning the usable cores minus one (`ops.hardware.cpu_engine_threads`).
+    With `pb_utils` (in a stub process) the operator's key for prefix cache resets is the parent tritonserver's
+    (`parent_operator_key`).
 
     Raises:
         ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises.
@@ -653,4 +747,6 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
                              info)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)
     stop_grace_s = max(0.0, exit_timeout_s - STOP_MARGIN_S) if exit_timeout_s is not None else None
-    return LLMService(engine, governor, metrics, metrics_interval_s, max_queued_requests, probe, stop_grace_s)
+    operator_key = parent_operator_key() if pb_utils is not None else None
+    return LLMService(engine, governor, metrics, metrics_interval_s, max_queued_requests, probe, stop_grace_s,
+                      operator_key)

@@ -10,6 +10,7 @@ Input tensors (from the llm stage, one request per streamed llm response):
     finish_reason      STRING [1]  "" until the last response, then "stop", "length" or "abort"
     prompt_tokens      INT32  [1]
     completion_tokens  INT32  [1]  cumulative
+    cached_tokens      INT32  [1]  optional; prompt tokens the prefix cache supplied (0 when absent)
     output_logprobs    STRING [1]  JSON list, one entry per token of this delta:
                                    {"id": int, "logprob": float, "top": [[id, logprob], ...]}; "" when off
     prompt_token_logprobs STRING [1] optional; the same for every prompt token (the first with logprob null), in a
@@ -30,8 +31,8 @@ import numpy as np
 
 from omni_backend.stages.tensors import one_value, string_tensor
 
-INPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "output_logprobs",
-               "prompt_token_logprobs")
+INPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+               "output_logprobs", "prompt_token_logprobs")
 OUTPUT_NAMES = INPUT_NAMES
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -147,6 +148,7 @@ class Postprocessor:
             "finish_reason": string_tensor(one_value(arrays, "finish_reason", str, "")),
             "prompt_tokens": np.asarray([one_value(arrays, "prompt_tokens", int, 0)], dtype=np.int32),
             "completion_tokens": np.asarray([one_value(arrays, "completion_tokens", int, 0)], dtype=np.int32),
+            "cached_tokens": np.asarray([one_value(arrays, "cached_tokens", int, 0)], dtype=np.int32),
             **{name: string_tensor(self.convert_logprobs(one_value(arrays, name, str, ""), name))
                for name in ("output_logprobs", "prompt_token_logprobs")},
         }

@@ -21,6 +21,7 @@ Input tensors (all shape [1]):
     finish_reason      STRING  optional; non-empty ends the stream ("stop", "length", "abort")
     prompt_tokens      INT32   optional, passed through (LLM token counts)
     completion_tokens  INT32   optional, passed through
+    cached_tokens      INT32   optional, passed through (prompt tokens the LLM's prefix cache supplied)
     options            STRING  optional JSON of `tts_options.SpeechOptions` (voice, audio_format, speed, stream)
 
 Output tensors, one response per chunk:
@@ -30,7 +31,8 @@ Output tensors, one response per chunk:
     sample_rate        INT32  [1]
     chunk_index        INT32  [1]  0, 1, 2, ... within the stream
     finish_reason      STRING [1]  "" except on the stream's last chunk
-    prompt_tokens, completion_tokens  INT32 [1]  as received with the text that completed this chunk
+    prompt_tokens, completion_tokens, cached_tokens
+                       INT32  [1]  as received with the text that completed this chunk
 
 The stage always answers 16-bit PCM; the `audio_format` in the options rides along for the consumer that
 encodes (the OpenAI front door), and is not echoed (an ensemble tensor cannot be both an input and an output).
@@ -55,9 +57,9 @@ from omni_backend.stages.tts_options import DEFAULT_VOICE, SpeechOptions
 from omni_backend.stages.tts_text import SentenceChunker
 from omni_backend.vocabulary import FieldError
 
-INPUT_NAMES = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "options")
-OUTPUT_NAMES = ("text_output", "audio", "sample_rate", "chunk_index", "finish_reason", "prompt_tokens",
-                "completion_tokens")
+COUNT_NAMES = ("prompt_tokens", "completion_tokens", "cached_tokens")  # LLM token counts, passed through
+INPUT_NAMES = ("text", "finish_reason", *COUNT_NAMES, "options")
+OUTPUT_NAMES = ("text_output", "audio", "sample_rate", "chunk_index", "finish_reason", *COUNT_NAMES)
 
 
 class SpeechSynthesizer(Protocol):
@@ -166,8 +168,7 @@ class SpeechStage:
         if text is None:
             raise FieldError("text", "is required")
         finish_reason = one_value(arrays, "finish_reason", str, "")
-        counts = {"prompt_tokens": one_value(arrays, "prompt_tokens", int, 0),
-                  "completion_tokens": one_value(arrays, "completion_tokens", int, 0)}
+        counts = {name: one_value(arrays, name, int, 0) for name in COUNT_NAMES}
         try:
             options = SpeechOptions.from_json(one_value(arrays, "options", str, ""))
         except FieldError as exc:
@@ -216,8 +217,7 @@ class SpeechStage:
             "sample_rate": np.asarray([self.synthesizer.sample_rate], dtype=np.int32),
             "chunk_index": np.asarray([chunk["index"]], dtype=np.int32),
             "finish_reason": string_tensor(chunk["finish_reason"]),
-            "prompt_tokens": np.asarray([chunk["prompt_tokens"]], dtype=np.int32),
-            "completion_tokens": np.asarray([chunk["completion_tokens"]], dtype=np.int32),
+            **{name: np.asarray([chunk[name]], dtype=np.int32) for name in COUNT_NAMES},
         }
 
     def run(self, arrays: dict) -> Iterator[dict[str, np.ndarray]]:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from list_sink import ListSink
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, admin_key_of, restricted_api_flags
 from omni_backend.stages.llm import (LOOP_STUCK_AFTER_S, LLMService, QueueFull,
                                      build_engine_on_a_passing_thread,
-                                     engine_config_from_parameters, instance_device,
-                                     max_queued_requests_from_parameters, parent_server_probe, tritonserver_flags)
-from omni_backend.vocabulary import ErrorKind, StageError
+                                     engine_config_from_parameters, generation_inputs, instance_device,
+                                     is_reset_request, max_queued_requests_from_parameters, parent_operator_key,
+                                     parent_server_probe, tritonserver_flags)
+from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 
 @pytest.fixture()
@@ -321,6 +324,61 @@ def test_the_stop_probe_reads_the_parent_tritonserver_command_line():
     assert flags == {"model-repository": "/m", "http-port": "8123", "exit-timeout-secs": "12", "log-verbose": "0"}
     import os
     assert parent_server_probe(os.getpid()) == (None, None)  # a python process is not a tritonserver
+
+
+def test_the_operator_key_is_read_from_the_restricted_api_flags():
+    flags = tritonserver_flags(["tritonserver", "--model-repository=/m", *restricted_api_flags("k3y:with=signs")])
+    assert admin_key_of(flags) == "k3y:with=signs"
+    assert admin_key_of(tritonserver_flags(["tritonserver", "--http-restricted-api=logging:other-header=x"])) is None
+    assert admin_key_of({}) is None
+    import os
+    assert parent_operator_key(os.getpid()) is None  # a python process is not a tritonserver
+
+
+def test_generation_and_reset_requests_are_told_apart_by_their_inputs():
+    ids = np.array([5, 6, 7], dtype=np.int32)
+    params = np.array([SamplingParams(max_tokens=3).to_json().encode()], dtype=np.object_)
+    reset = np.array([True])
+    assert generation_inputs({"input_ids": ids, "sampling_params": params}) == ([5, 6, 7], SamplingParams(max_tokens=3))
+    assert not is_reset_request({"input_ids": ids, "sampling_params": params})
+    assert not is_reset_request({"reset_prefix_cache": np.array([False]), "input_ids": ids})
+    assert is_reset_request({"reset_prefix_cache": reset})
+    for missing in ("input_ids", "sampling_params"):
+        arrays = {"input_ids": ids, "sampling_params": params}
+        del arrays[missing]
+        with pytest.raises(FieldError, match=f"^{missing} is required") as excinfo:
+            generation_inputs(arrays)
+        assert StageError.of(excinfo.value, "llm").kind is ErrorKind.INVALID_ARGUMENT
+    with pytest.raises(FieldError, match="reset_prefix_cache is a request of its own: send it without input_ids"):
+        is_reset_request({"reset_prefix_cache": reset, "input_ids": ids})
+
+
+def test_the_operator_resets_the_prefix_cache_with_the_key_only(tiny_qwen2_path):
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64, block_size=16,
+                                    max_num_seqs=4, max_model_len=512))
+    service = LLMService(engine, operator_key="k3y")
+    service.start()
+    try:
+        prompt = list(range(100, 150))  # 50 tokens: 3 full blocks cached once it finished
+        sinks = [ListSink(), ListSink()]
+        for i, sink in enumerate(sinks):
+            service.submit(f"r{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), sink)
+            assert sink.done.wait(30)
+        assert [s.outputs[-1].cached_tokens for s in sinks] == [0, 48]
+        for wrong in (None, "wrong", 123):
+            with pytest.raises(StageError, match=f"^{ADMIN_KEY_HEADER} ") as excinfo:
+                service.reset_prefix_cache_as_operator(wrong)
+            assert (excinfo.value.kind, excinfo.value.field) == (ErrorKind.INVALID_ARGUMENT, ADMIN_KEY_HEADER)
+        assert service.reset_prefix_cache_as_operator("k3y") == 3
+        assert service.reset_prefix_cache_as_operator("k3y") == 0
+        again = ListSink()
+        service.submit("r2", prompt, SamplingParams(max_tokens=2, ignore_eos=True), again)
+        assert again.done.wait(30) and again.outputs[-1].cached_tokens == 0
+        service.operator_key = None  # a tritonserver without restricted-API flags: nobody is the operator
+        with pytest.raises(StageError, match="no operator key"):
+            service.reset_prefix_cache_as_operator("k3y")
+    finally:
+        service.shutdown()
 
 
 def test_the_heartbeat_stops_when_a_loop_is_stuck_not_when_a_step_is_slow(tiny_qwen2_path):

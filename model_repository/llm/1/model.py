@@ -7,10 +7,10 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
-from omni_backend.stages.llm import create_service
-from omni_backend.stages.tensors import triton_error
+from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
+from omni_backend.stages.llm import INPUT_NAMES, create_service, generation_inputs, is_reset_request
+from omni_backend.stages.tensors import request_arrays, triton_error
 from omni_backend.vocabulary import StageError
 
 
@@ -30,6 +30,7 @@ class _Sink:
             pb_utils.Tensor("finish_reason", np.array([(output.finish_reason or "").encode()], dtype=np.object_)),
             pb_utils.Tensor("prompt_tokens", np.array([output.prompt_tokens], dtype=np.int32)),
             pb_utils.Tensor("completion_tokens", np.array([output.completion_tokens], dtype=np.int32)),
+            pb_utils.Tensor("cached_tokens", np.array([output.cached_tokens], dtype=np.int32)),
             pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
             pb_utils.Tensor("prompt_token_logprobs", np.array([prompt_logprobs.encode()], dtype=np.object_)),
         ]
@@ -37,6 +38,12 @@ class _Sink:
             tensors.append(pb_utils.Tensor("passthrough", self.passthrough))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def send_dropped_blocks(self, dropped):
+        """The one response of a prefix cache reset."""
+        tensor = pb_utils.Tensor("dropped_blocks", np.array([dropped], dtype=np.int32))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]),
+                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def fail(self, error):
         self.sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, error, "llm")),
@@ -88,9 +95,12 @@ class TritonPythonModel:
             passthrough = pb_utils.get_input_tensor_by_name(request, "passthrough")
             sink = _Sink(request.get_response_sender(), None if passthrough is None else passthrough.as_numpy())
             try:
-                ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
-                text = pb_utils.get_input_tensor_by_name(request, "sampling_params").as_numpy().reshape(-1)[0]
-                params = SamplingParams.from_json(text.decode("utf-8") if isinstance(text, bytes) else text)
+                arrays = request_arrays(pb_utils, request, INPUT_NAMES)
+                if is_reset_request(arrays):  # waits for the engine loop (at most one step)
+                    given_key = json.loads(request.parameters() or "{}").get(ADMIN_KEY_HEADER)
+                    sink.send_dropped_blocks(self.service.reset_prefix_cache_as_operator(given_key))
+                    continue
+                ids, params = generation_inputs(arrays)
                 request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
                 embeds = _prompt_embeds(request, self.hidden_size)
                 self.service.submit(request_id, ids, params, sink, prompt_embeds=embeds)

@@ -191,7 +191,8 @@ async def chat_with_audio(request: Request, door, body: dict, pipeline):
     message = {"role": "assistant", "content": None, "refusal": None,
                "audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii"),
                          "expires_at": protocol.now() + AUDIO_EXPIRY_S, "transcript": text}}
-    usage = protocol.usage(last.prompt_tokens or generation.choices[0].prepared.prompt_tokens, last.completion_tokens)
+    usage = protocol.usage(last.prompt_tokens or generation.choices[0].prepared.prompt_tokens, last.completion_tokens,
+                           last.cached_tokens)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": protocol.now(), "model": req.model,
                          "system_fingerprint": SYSTEM_FINGERPRINT,
                          "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -301,7 +302,7 @@ async def _stream_events(req, generation, backend, options, request_id, audio_id
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
                     "system_fingerprint": fingerprint, "choices": [],
                     "usage": protocol.usage(final.prompt_tokens or generation.choices[0].prepared.prompt_tokens,
-                                            final.completion_tokens)}
+                                            final.completion_tokens, final.cached_tokens)}
             yield ServerSentEvent(json.dumps(body))
         yield ServerSentEvent("[DONE]")
     except OpenAIError as exc:

@@ -23,7 +23,6 @@ Bodies may be gzip/deflate-compressed (`Content-Encoding`); they are forwarded d
 
 from __future__ import annotations
 
-import hmac
 import json
 import re
 
@@ -35,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
 from omni_backend.serving import errors
 from omni_backend.serving.errors import OpenAIError
-from omni_backend.serving.front_door import FrontDoor, door_of, require_api_key
+from omni_backend.serving.front_door import FrontDoor, door_of, is_operator, require_api_key
 from omni_backend.serving.request_body import parse_json_object, read_body
 from omni_backend.vocabulary import BY_TENSOR, StageError, tensor_value_problem
 
@@ -70,7 +69,7 @@ async def forward(path: str, request: Request) -> Response:
     door = door_of(request)
     method = "GET" if request.method == "HEAD" else request.method
     match = _OPEN.get(method, re.compile("$^")).match(path)
-    if match is None and not _is_operator(door, request):
+    if match is None and not is_operator(request):
         return _triton_error(403, f"{request.method} /v2/{path} is not open on this port: inference, generate, "
                              f"model metadata/config, health and ready are; the rest needs the operator's key in "
                              f"the '{ADMIN_KEY_HEADER}' header")
@@ -110,13 +109,6 @@ async def forward(path: str, request: Request) -> Response:
         if error is not None:
             return error
     return Response(content=b"" if request.method == "HEAD" else data, status_code=upstream.status, headers=passed)
-
-
-def _is_operator(door: FrontDoor, request: Request) -> bool:
-    """The request carries the operator's key (none configured: nobody is the operator here)."""
-    key = door.config.admin_key
-    given = request.headers.get(ADMIN_KEY_HEADER)
-    return bool(key) and given is not None and hmac.compare_digest(given.encode(), key.encode())
 
 
 async def _model_config(door: FrontDoor, model: str) -> dict | None:

@@ -272,18 +272,25 @@ def settle(roots: list[int], idle_cores: float = 0.05, window_s: float = 0.5, ma
 
 
 def openai_chat_request(base_url: str, model: str, question: str, new_tokens: int) -> dict:
-    """One streamed `/v1/chat/completions` request: greedy, EOS ignored, `new_tokens` tokens.
+    """One streamed `/v1/chat/completions` request with `question` as the only (user) message; see `openai_chat`."""
+    return openai_chat(base_url, model, [{"role": "user", "content": question}], new_tokens)
+
+
+def openai_chat(base_url: str, model: str, messages: list[dict], new_tokens: int) -> dict:
+    """One streamed `/v1/chat/completions` request on `messages`: greedy, EOS ignored, `new_tokens` tokens.
 
     Returns {"ttft_s": s to the first chunk with text, "e2e_s": s to the end of the stream, "tokens": completion
-    tokens from the usage chunk}. Raises RuntimeError when the answer stopped early or had no usage.
+    tokens from the usage chunk, "text": the streamed answer, "usage": the usage chunk as sent}. Raises
+    RuntimeError when the answer stopped early or had no usage.
     """
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": new_tokens,
+    body = {"model": model, "messages": messages, "max_tokens": new_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     request = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     first = None
     finish = usage = None
+    text = []
     with urllib.request.urlopen(request, timeout=600) as response:
         for raw in response:
             line = raw.decode().strip()
@@ -291,14 +298,17 @@ def openai_chat_request(base_url: str, model: str, question: str, new_tokens: in
                 continue
             chunk = json.loads(line[5:])
             for choice in chunk.get("choices") or ():
-                if first is None and (choice.get("delta") or {}).get("content"):
-                    first = time.perf_counter()
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    text.append(content)
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage") or usage
     end = time.perf_counter()
     if finish != "length" or not usage:
         raise RuntimeError(f"stream ended with finish_reason {finish!r}, usage {usage!r}")
-    return {"ttft_s": (first or end) - start, "e2e_s": end - start, "tokens": int(usage["completion_tokens"])}
+    return {"ttft_s": (first or end) - start, "e2e_s": end - start, "tokens": int(usage["completion_tokens"]),
+            "text": "".join(text), "usage": usage}
 
 
 # --- our server: tritonserver (omni_chat) and the front door in front of it -----------------------------------------
@@ -344,13 +354,18 @@ def omni_chat_request(url: str, question: str, new_tokens: int) -> dict:
 class OmniServers:
     """tritonserver with omni_chat (our engine at `dtype`, `max_model_len`) and the OpenAI front door beside it.
 
-    `grpc_url` is Triton's gRPC `host:port`; `base_url` the front door's `http://host:port`.
+    `grpc_url` is Triton's gRPC `host:port`; `base_url` the front door's `http://host:port`. `name`: the folder
+    under .cache/bench/ for the rendered repository and the logs (servers started side by side need their own);
+    `settings`: further repository setting overrides (omni_backend/repository.py Settings, e.g.
+    {"enable_prefix_caching": False}).
     """
 
-    def __init__(self, dtype: str, max_model_len: int, front_door: bool = True):
-        self.root = BENCH_CACHE / "serving"
+    def __init__(self, dtype: str, max_model_len: int, front_door: bool = True, name: str = "serving",
+                 settings: dict | None = None):
+        self.root = BENCH_CACHE / name
         self.repo = self.root / "model_repository"
         self.dtype, self.max_model_len, self.with_front_door = dtype, max_model_len, front_door
+        self.settings = dict(settings or {})
         self.triton: TritonServer | None = None
         self.front_door: FrontDoorProcess | None = None
         self.grpc_url = self.base_url = ""
@@ -367,7 +382,7 @@ class OmniServers:
     def _start(self) -> "OmniServers":
         repository.render_repository(self.repo, models=["preprocess", "llm", "postprocess", "omni_chat"],
                                      dtype=self.dtype, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=512 << 20,
-                                     max_model_len=self.max_model_len)
+                                     max_model_len=self.max_model_len, **self.settings)
         http, grpc, metrics, openai = free_ports(4)
         self.triton = TritonServer(self.repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                    exit_timeout_s=5, log_file=self.root / "tritonserver.log")
@@ -442,14 +457,15 @@ class VllmServer:
 
     `omp_threads_bind` is VLLM_CPU_OMP_THREADS_BIND: "auto" is vLLM's default (on 2 cores it keeps one for its
     API server and computes on the other, the layout of our engine's automatic `cpu_threads`), "all" computes on
-    every core.
+    every core. `extra_args`: more server flags (e.g. ["--enable-prefix-caching"]).
     """
 
     MODEL_NAME = "smollm2"
 
-    def __init__(self, dtype: str, max_model_len: int, omp_threads_bind: str = "auto", start_timeout_s: float = 900):
+    def __init__(self, dtype: str, max_model_len: int, omp_threads_bind: str = "auto", start_timeout_s: float = 900,
+                 extra_args: tuple[str, ...] = ()):
         self.dtype, self.max_model_len, self.start_timeout_s = dtype, max_model_len, start_timeout_s
-        self.omp_threads_bind = omp_threads_bind
+        self.omp_threads_bind, self.extra_args = omp_threads_bind, list(extra_args)
         self.process: subprocess.Popen | None = None
         self.base_url = ""
         self.log = BENCH_CACHE / "vllm-server.log"
@@ -459,7 +475,7 @@ class VllmServer:
         return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
                 "--served-model-name", self.MODEL_NAME, "--dtype", self.dtype, "--max-model-len",
                 str(self.max_model_len), "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1",
-                "--port", str(port)]
+                "--port", str(port), *self.extra_args]
 
     def environment(self) -> dict[str, str]:
         """Offline, the KV cache size, and the cores its OpenMP threads run on."""

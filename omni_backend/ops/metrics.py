@@ -214,6 +214,37 @@ class LLMMetrics:
         self._last = stats
 
 
+class EncoderMetrics:
+    """The encoder cache's counters of a media encoder stage (omni_backend/stages/encoder_cache.py), labels `model`
+    and `version`:
+
+        omni_encoder_items_total        counter  images or clips the stage received
+        omni_encoder_cache_hits_total   counter  of those, items that skipped the encoder (found in the cache, or
+                                                 repeated within their batch)
+
+    `publish` after each `execute` (two IPC calls at most, none when nothing changed).
+    """
+
+    def __init__(self, pb_utils, model: str, version: str):
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "version": str(version)}
+        self._families = [family(name="omni_encoder_items_total", kind=family.COUNTER,
+                                 description="Images or clips an encoder stage received"),
+                          family(name="omni_encoder_cache_hits_total", kind=family.COUNTER,
+                                 description="Images or clips whose embeddings came from the encoder cache")]
+        self.items, self.hits = (f.Metric(labels=labels) for f in self._families)
+        self._last = (0, 0)
+
+    def publish(self, num_items: int, num_encoded: int) -> None:
+        """Add what changed since the last call, from the stage's cumulative counts."""
+        items, hits = num_items, num_items - num_encoded
+        if items != self._last[0]:
+            self.items.increment(items - self._last[0])
+        if hits != self._last[1]:
+            self.hits.increment(hits - self._last[1])
+        self._last = (items, hits)
+
+
 class StageHeartbeat:
     """The heartbeat of a stage without an engine loop (every Python-backend model but llm): a daemon thread sets
     the `omni_stage_heartbeat_timestamp_seconds` gauge to the current Unix time every `interval_s` seconds for

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omni_backend.stages.encoder_cache import EncoderCache, content_key
 from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, encoder_path
 
 
@@ -46,15 +47,25 @@ def load_encoder(folder: str | Path, device: str = "cpu", dtype=None):
 
 
 class EncoderStage:
-    """Runs one encoder on a dynamic batch: every request's rows are concatenated into one forward pass.
+    """Runs one encoder on a dynamic batch: the items (images or clips) of every request that the encoder cache
+    (`encoder_cache.py`) does not hold are concatenated into one forward pass, each distinct item once.
 
     Args:
         model: a loaded VisionEncoder or AudioEncoder.
+        cache: the encoder cache (a new one of the default size when None).
+
+    Attributes:
+        num_items: items received so far (counter).
+        num_encoded: of those, items run through the encoder (counter); the others came from the cache or were
+            repeated in their batch.
     """
 
-    def __init__(self, model, device: str = "cpu"):
+    def __init__(self, model, device: str = "cpu", cache: EncoderCache | None = None):
         self.model, self.device = model, device
         self.dtype = next(model.parameters()).dtype
+        self.cache = cache if cache is not None else EncoderCache()
+        self.num_items = 0
+        self.num_encoded = 0
 
     def run(self, batches: list[np.ndarray]) -> list[np.ndarray]:
         """Arrays [b_i, ...] per request -> float32 embeddings [b_i, tokens, hidden] per request.
@@ -67,11 +78,23 @@ class EncoderStage:
         shapes = {tuple(a.shape[1:]) for a in batches}
         if len(shapes) != 1:
             raise ValueError(f"encoder inputs in one batch must have equal shapes, got {sorted(shapes)}")
-        sizes = [a.shape[0] for a in batches]
-        stacked = torch.from_numpy(np.concatenate(batches).astype(np.float32))
-        with torch.inference_mode():
-            out = self.model(stacked.to(self.device, self.dtype)).float().cpu().numpy()
-        return list(np.split(out, np.cumsum(sizes)[:-1]))
+        items = [np.asarray(item, dtype=np.float32) for batch in batches for item in batch]
+        keys = [content_key(item) for item in items]
+        self.num_items += len(items)
+        found = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
+        missing = [key for key, value in found.items() if value is None]
+        if missing:
+            first = {key: index for index, key in reversed(list(enumerate(keys)))}
+            stacked = torch.from_numpy(np.stack([items[first[key]] for key in missing]))
+            with torch.inference_mode():
+                out = self.model(stacked.to(self.device, self.dtype)).float().cpu().numpy()
+            self.num_encoded += len(missing)
+            for key, value in zip(missing, out):
+                found[key] = value
+                self.cache.put(key, value.copy())  # a view would keep the whole batch output alive
+        rows = [found[key] for key in keys]
+        sizes = np.cumsum([batch.shape[0] for batch in batches])
+        return [np.stack(rows[start:end]) for start, end in zip([0, *sizes[:-1]], sizes)]
 
 
 def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:

@@ -140,3 +140,23 @@ def test_llm_refuses_prompt_embeds_of_the_wrong_hidden_size_and_keeps_serving(mm
     events = llm_request(576)
     assert all(e is None for _, e in events)
     assert_ok(*chat(mm_front_door, text="Say hi."))
+
+
+def test_the_same_photo_twice_is_encoded_once(mm_front_door, mm_server):
+    """The second request's image comes from the vision stage's encoder cache (omni_encoder_cache_hits_total), and
+    both answers are the same."""
+    from skimage import data
+
+    from omni_backend.ops.metrics import parse_metrics
+
+    def counters():
+        samples = parse_metrics(requests.get(mm_server.metrics_url, timeout=10).text)
+        return [sum(v for labels, v in samples.get(name, []) if labels.get("model") == "vision_encoder")
+                for name in ("omni_encoder_items_total", "omni_encoder_cache_hits_total")]
+
+    part = image_part(image_bytes("PNG", np.ascontiguousarray(data.coffee()[::-1])))  # no other test sends it
+    before = counters()
+    answers = [chat_answer(assert_ok(*chat(mm_front_door, part, max_tokens=6))) for _ in range(2)]
+    after = counters()
+    assert answers[0] == answers[1]
+    assert [a - b for a, b in zip(after, before)] == [2, 1]

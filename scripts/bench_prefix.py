@@ -43,17 +43,17 @@ import argparse
 import json
 import os
 import platform
-import queue
 import secrets
 import statistics
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as serving  # noqa: E402  (launchers, client, percentiles, CPU facts, settling)
+
+from omni_backend.ops.metrics import parse_metrics  # noqa: E402
 
 PEERS = ("ours_on", "ours_off", "vllm")
 WORKLOADS = ("shared_system", "multi_turn")
@@ -165,40 +165,27 @@ def run_conversations(send, conversations: list[dict], concurrency: int) -> dict
 
     Returns bench_serving.summarize's summary (times in s, rates in tok/s) plus prompt/cached token totals and
     the TTFT percentiles of turns after the first (s)."""
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for conversation in conversations:
-        work.put(conversation)
     records: list[dict] = []
     errors: list[str] = []
 
-    def worker():
-        while True:
+    def converse(conversation):
+        messages = [{"role": "system", "content": conversation["system"]}]
+        for turn, question in enumerate(conversation["questions"]):
+            messages.append({"role": "user", "content": question})
             try:
-                conversation = work.get_nowait()
-            except queue.Empty:
+                result = send(messages)
+            except Exception as exc:  # recorded and reported; the conversation cannot go on without an answer
+                errors.append(f"{type(exc).__name__}: {exc}")
                 return
-            messages = [{"role": "system", "content": conversation["system"]}]
-            for turn, question in enumerate(conversation["questions"]):
-                messages.append({"role": "user", "content": question})
-                try:
-                    result = send(messages)
-                except Exception as exc:  # recorded and reported; the conversation cannot go on without an answer
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                    break
-                usage = result["usage"]
-                details = usage.get("prompt_tokens_details") or {}
-                records.append({"ttft_s": result["ttft_s"], "e2e_s": result["e2e_s"], "tokens": result["tokens"],
-                                "turn": turn, "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-                                "cached_tokens": details.get("cached_tokens")})
-                messages.append({"role": "assistant", "content": result["text"]})
+            usage = result["usage"]
+            details = usage.get("prompt_tokens_details") or {}
+            records.append({"ttft_s": result["ttft_s"], "e2e_s": result["e2e_s"], "tokens": result["tokens"],
+                            "turn": turn, "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                            "cached_tokens": details.get("cached_tokens")})
+            messages.append({"role": "assistant", "content": result["text"]})
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    summary = serving.summarize(records, time.perf_counter() - start, concurrency, errors)
+    seconds = serving.run_workers(conversations, concurrency, converse)
+    summary = serving.summarize(records, seconds, concurrency, errors)
     reported = [r["cached_tokens"] for r in records if r["cached_tokens"] is not None]
     summary.update({"prompt_tokens_total": sum(r["prompt_tokens"] for r in records),
                     "cached_tokens_total": sum(reported) if reported else None,
@@ -209,13 +196,9 @@ def run_conversations(send, conversations: list[dict], concurrency: int) -> dict
 
 def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
     """Sum over label sets of each metric in `names` on the Prometheus page `url` (0 for one not there)."""
-    totals = dict.fromkeys(names, 0.0)
     with urllib.request.urlopen(url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in totals:
-                totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+        samples = parse_metrics(response.read().decode())
+    return {name: sum(value for _, value in samples.get(name, [])) for name in names}
 
 
 def settled_counters(url: str, names: tuple[str, ...], max_s: float = 8.0) -> dict[str, float]:

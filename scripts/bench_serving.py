@@ -124,25 +124,20 @@ def summarize(records: list[dict], seconds: float, concurrency: int, errors: lis
             "e2e_s": percentiles([r["e2e_s"] for r in records])}
 
 
-def run_level(send_one, prompts: list, concurrency: int) -> dict:
-    """Send `prompts` from `concurrency` threads (each takes the next prompt when its request ends); the summary
-    of `summarize` (times in s, rates in tok/s)."""
+def run_workers(items: list, concurrency: int, handle) -> float:
+    """Call `handle(item)` for every item from `concurrency` threads, each taking the next item when its call
+    ends; returns the wall time (s). `handle` records its own results and errors."""
     work: queue.SimpleQueue = queue.SimpleQueue()
-    for prompt in prompts:
-        work.put(prompt)
-    records: list[dict] = []
-    errors: list[str] = []
+    for item in items:
+        work.put(item)
 
     def worker():
         while True:
             try:
-                prompt = work.get_nowait()
+                item = work.get_nowait()
             except queue.Empty:
                 return
-            try:
-                records.append(send_one(prompt))
-            except Exception as exc:  # recorded and reported, never hidden
-                errors.append(f"{type(exc).__name__}: {exc}")
+            handle(item)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -150,7 +145,23 @@ def run_level(send_one, prompts: list, concurrency: int) -> dict:
         thread.start()
     for thread in threads:
         thread.join()
-    return summarize(records, time.perf_counter() - start, concurrency, errors)
+    return time.perf_counter() - start
+
+
+def run_level(send_one, prompts: list, concurrency: int) -> dict:
+    """Send `prompts` from `concurrency` threads (`run_workers`); the summary of `summarize` (times in s, rates
+    in tok/s)."""
+    records: list[dict] = []
+    errors: list[str] = []
+
+    def send(prompt):
+        try:
+            records.append(send_one(prompt))
+        except Exception as exc:  # recorded and reported, never hidden
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    seconds = run_workers(prompts, concurrency, send)
+    return summarize(records, seconds, concurrency, errors)
 
 
 def median_level(rounds: list[dict]) -> dict:

@@ -127,8 +127,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return []
         blocks = []
-        for name in prefix_cache.full_block_hashes(seq, (len(seq) - 1) // self.block_size, self.block_size):
-            block = self._by_name.get(name)
+        for index in range((len(seq) - 1) // self.block_size):
+            block = self._by_name.get(prefix_cache.block_name(seq, index, self.block_size))
             if block is None:
                 break
             blocks.append(block)
@@ -195,9 +195,8 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks:
             return
-        names = prefix_cache.full_block_hashes(seq, full, self.block_size)
         for index in range(seq.num_registered_blocks, full):
-            block, name = seq.block_table[index], names[index]
+            block, name = seq.block_table[index], prefix_cache.block_name(seq, index, self.block_size)
             if self._names[block] is None and name not in self._by_name:
                 self._names[block] = name
                 self._by_name[name] = block

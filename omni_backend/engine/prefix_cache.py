@@ -58,12 +58,13 @@ def embeds_key(prompt_embeds: PromptEmbeds | None, start: int, end: int) -> byte
             + values.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
 
 
-def full_block_hashes(seq: Sequence, num_blocks: int, block_size: int) -> list[bytes]:
-    """Names of `seq`'s first `num_blocks` blocks (each full of known token ids), extending the memo
-    `seq.block_hashes` as needed (token ids only ever grow at the end, so names once computed stay true)."""
+def block_name(seq: Sequence, index: int, block_size: int) -> bytes:
+    """The name of `seq`'s block `index` (full of known token ids), extending the memo `seq.block_hashes` up to it
+    (token ids only ever grow at the end, so names once computed stay true). Callers that stop at the first
+    block not in the cache hash no further."""
     hashes = seq.block_hashes
-    for index in range(len(hashes), num_blocks):
-        start = index * block_size
+    while len(hashes) <= index:
+        start = len(hashes) * block_size
         extra = embeds_key(seq.prompt_embeds, start, start + block_size) if start < seq.num_prompt_tokens else b""
         hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids[start:start + block_size], extra))
-    return hashes[:num_blocks]
+    return hashes[index]

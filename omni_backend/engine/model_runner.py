@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
 from kernels.paged_decode_cpu import CpuKernelUnavailable
-from omni_backend import paths
+from omni_backend import checkpoints, paths
 from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention, self_test
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
@@ -29,7 +29,7 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_sizes
 from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
-from omni_backend.engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from omni_backend.engine.models.llama import LlamaForCausalLM
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
@@ -45,6 +45,24 @@ logger = logging.getLogger(__name__)
 # at an unaligned or an aligned offset.
 WARM_UP_SHAPES = ((1, 0), (2, 0), (16, 0), (1, 1), (4, 1))
 WARM_UP_PREFILL_TOKENS = 16  # per prefill sequence in a warm-up step
+
+
+def language_model_config(hf_config):
+    """The config of the language model the engine runs: a text checkpoint's own, or a multimodal checkpoint's
+    `text_config` (its tower and connector run in the encoder stages), with the tying of input and output
+    embeddings the top-level config decides (transformers ties them by the top level for these architectures).
+
+    Raises:
+        ValueError: an architecture the product does not serve (`omni_backend.checkpoints`).
+    """
+    name = checkpoints.architecture_name(hf_config.to_dict())
+    if name not in checkpoints.MULTIMODAL_ARCHITECTURES:
+        return hf_config
+    text_config = hf_config.get_text_config()
+    tie = getattr(hf_config, "tie_word_embeddings", None)
+    if tie is not None:
+        text_config.tie_word_embeddings = bool(tie)
+    return text_config
 
 
 class ModelRunner:
@@ -69,10 +87,7 @@ class ModelRunner:
             if config.cpu_threads:
                 torch.set_num_threads(config.cpu_threads)
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
-        hf_config = AutoConfig.from_pretrained(config.model_path)
-        architecture = (hf_config.architectures or ["?"])[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {architecture}; supported: {SUPPORTED_ARCHITECTURES}")
+        hf_config = language_model_config(AutoConfig.from_pretrained(config.model_path))
         self.hf_config = hf_config
         self.dtype = select_dtype(config.dtype, self.device.torch_device)
         self.num_q_heads = hf_config.num_attention_heads

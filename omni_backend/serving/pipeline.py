@@ -32,6 +32,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
+from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
 from omni_backend.vocabulary import BY_PARAM, tensor_value_problem
 
 
@@ -134,7 +135,6 @@ def _unary_call_done(call: asyncio.Task) -> None:
 
 
 # Content-part kind -> (encoder model, its input), as preprocess's media outputs name them.
-MEDIA_ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
 
 def _datatype(config_type: str) -> str:
@@ -317,29 +317,29 @@ class TritonPipeline(TritonGrpcUser):
         parts = json.loads(_scalar(result.as_numpy("media_parts")))
         if not parts:  # preprocess sends empty media outputs for text-only requests
             return {}
-        positions = result.as_numpy("media_positions").reshape(-1).astype(np.int32)
-        inputs = {"image": result.as_numpy("pixel_values"), "audio": result.as_numpy("input_features")}
-        seen = {"image": 0, "audio": 0}
-        calls = []
-        for part in parts:
-            kind = part["kind"]
-            model, input_name = MEDIA_ENCODERS[kind]
-            item = inputs[kind][seen[kind]:seen[kind] + 1]
-            seen[kind] += 1
-            tensor = grpcclient.InferInput(input_name, list(item.shape), "FP32")
-            tensor.set_data_from_numpy(np.ascontiguousarray(item, dtype=np.float32))
-            calls.append(infer_to_completion(self.client, model, [tensor], request_id=request_id))
         try:
-            results = await asyncio.gather(*calls)
+            calls = encoder_calls(parts, result.as_numpy("pixel_values"), result.as_numpy("input_features"))
+        except ValueError as exc:
+            raise internal(str(exc)) from None
+        requests = []
+        for call in calls:
+            tensors = []
+            for name, array in call.inputs.items():
+                tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+                tensor.set_data_from_numpy(array)
+                tensors.append(tensor)
+            requests.append(infer_to_completion(self.client, call.model, tensors, request_id=request_id))
+        try:
+            results = await asyncio.gather(*requests)
         except InferenceServerException as exc:
             raise self._unary_error("encoder", exc, prompt_field) from None
-        for part in parts:
-            self.down_stages.pop(MEDIA_ENCODERS[part["kind"]][0], None)
-        embeds = [r.as_numpy("embeddings")[0, :part["tokens"]] for r, part in zip(results, parts)]
-        embeds = np.ascontiguousarray(np.concatenate(embeds), dtype=np.float32)
-        if embeds.shape[0] != positions.size:
-            raise internal(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")
-        return {"prompt_embeds": embeds, "prompt_embed_positions": positions}
+        for call in calls:
+            self.down_stages.pop(call.model, None)
+        try:
+            return splice_embeddings(parts, result.as_numpy("media_positions"), calls,
+                                     [r.as_numpy("embeddings") for r in results])
+        except ValueError as exc:
+            raise internal(str(exc)) from None
 
     async def generate(self, prepared: Prepared, prompt_field: str, request_id: str = "") -> AsyncIterator[Step]:
         """Stream one request through llm (and postprocess); the last Step has a finish_reason.

@@ -39,8 +39,9 @@ class AudioEncoder(nn.Module):
         """Placeholder tokens for a clip of `num_samples` at 16 kHz."""
         return tokens_for_frames(min(self.max_frames, math.ceil(num_samples / HOP_LENGTH)), self.pool)
 
-    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
-        """[B, mel bins, max_frames] -> [B, ceil(max_frames / 2 / pool), out_hidden]."""
+    def forward(self, input_features: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, mel bins, max_frames] -> [B, ceil(max_frames / 2 / pool), out_hidden]. The valid frames
+        (`lengths`) are not used: this encoder attends over the whole window, and a clip takes its first rows."""
         hidden = self.tower(input_features).last_hidden_state  # [B, max_source_positions, d_model]
         pooled = nn.functional.avg_pool1d(hidden.transpose(1, 2), self.pool, ceil_mode=True)
         return self.projector(pooled.transpose(1, 2))

@@ -116,10 +116,11 @@ def image_bytes_from_url(url: str, where: str, limits: MediaLimits) -> bytes:
     return data
 
 
-def decode_image(data: bytes, where: str, limits: MediaLimits, size: int, mean, std) -> np.ndarray:
-    """Encoded PNG/JPEG/WebP -> float32 [3, size, size] normalized pixels (SigLIP-style processing).
+def open_image(data: bytes, where: str, limits: MediaLimits, draft_size: int | None = None):
+    """Encoded PNG/JPEG/WebP -> an RGB `PIL.Image`, its pixel count checked against `max_image_pixels`.
 
-    Large JPEGs are decoded at a reduced scale (`draft`) before resizing, which keeps an 8000x8000 photo cheap.
+    A large JPEG is decoded at a reduced scale (`draft`) when `draft_size` is given, which keeps an 8000x8000
+    photo cheap for an encoder that resizes it to `draft_size` anyway.
 
     Raises:
         ValueError: not an image, an unsupported format, or more than `max_image_pixels`.
@@ -137,10 +138,25 @@ def decode_image(data: bytes, where: str, limits: MediaLimits, size: int, mean, 
         raise ValueError(f"{where}: image has {width}x{height} pixels, over the limit of "
                          f"{limits.max_image_pixels} pixels")
     try:
-        if image.format == "JPEG":
-            image.draft("RGB", (size, size))
-        image = image.convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
+        if image.format == "JPEG" and draft_size:
+            image.draft("RGB", (draft_size, draft_size))
+        return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{where}: the image cannot be decoded ({type(exc).__name__})") from None
+
+
+def decode_image(data: bytes, where: str, limits: MediaLimits, size: int, mean, std) -> np.ndarray:
+    """Encoded PNG/JPEG/WebP -> float32 [3, size, size] normalized pixels (SigLIP-style processing).
+
+    Raises:
+        ValueError: what `open_image` raises.
+    """
+    from PIL import Image
+
+    image = open_image(data, where, limits, draft_size=size)
+    try:
+        image = image.resize((size, size), Image.Resampling.BICUBIC)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: the image cannot be decoded ({type(exc).__name__})") from None
     pixels = np.asarray(image, dtype=np.float32) / 255.0
     pixels = (pixels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)

@@ -1,21 +1,26 @@
-"""Encoder checkpoints (vision/audio tower + projector) and the batched encoder stage shared by both.
+"""Encoder checkpoints (vision/audio tower + projector), the batched encoder stage shared by both, and how a
+request's media items become encoder calls and then llm prompt embeddings.
 
-Checkpoint folder layout: `config.json` (the tower's transformers config), `model.safetensors` (tower and
-projector weights) and `omni_media.json` (`media_spec.MediaSpec`: kind, placeholder token, LLM hidden size,
-pooling, processor settings). The preprocess stage reads only `omni_media.json`; the encoder stages load
-everything.
+An encoder is a Hugging Face multimodal checkpoint's tower and connector (stages/hf_encoders.py) or a project
+encoder folder: `config.json` (the tower's transformers config), `model.safetensors` (tower and projector
+weights) and `omni_media.json` (`media_spec.MediaSpec`: kind, placeholder token, LLM hidden size, pooling,
+processor settings). The preprocess stage reads only `omni_media.json`; the encoder stages load everything.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from omni_backend.stages.encoder_cache import EncoderCache, content_key
-from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, encoder_path
+from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, media_source
+
+# The encoder model and its item input of each media kind (model_repository/{vision,audio}_encoder); an audio
+# item also carries its valid mel frames as `input_lengths`.
+ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
 
 def save_encoder(model, folder: Path, placeholder_token: str) -> None:
@@ -51,8 +56,10 @@ class EncoderStage:
     (`encoder_cache.py`) does not hold are concatenated into one forward pass, each distinct item once.
 
     Args:
-        model: a loaded VisionEncoder or AudioEncoder.
+        model: a loaded encoder (`forward(items, valid frames or None)`), or None on a server without this kind
+            of encoder, whose every request then fails with `missing`.
         cache: the encoder cache (a new one of the default size when None).
+        missing: the error message of a stage without a model.
 
     Attributes:
         num_items: items received so far (counter).
@@ -60,15 +67,16 @@ class EncoderStage:
             repeated in their batch.
     """
 
-    def __init__(self, model, device: str = "cpu", cache: EncoderCache | None = None):
-        self.model, self.device = model, device
-        self.dtype = next(model.parameters()).dtype
+    def __init__(self, model, device: str = "cpu", cache: EncoderCache | None = None, missing: str = ""):
+        self.model, self.device, self.missing = model, device, missing
+        self.dtype = next(model.parameters()).dtype if model is not None else None
         self.cache = cache if cache is not None else EncoderCache()
         self.num_items = 0
         self.num_encoded = 0
 
-    def run(self, batches: list[np.ndarray]) -> list[np.ndarray]:
-        """Arrays [b_i, ...] per request -> float32 embeddings [b_i, tokens, hidden] per request.
+    def run(self, batches: list[np.ndarray], lengths: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Arrays [b_i, ...] per request (and, for audio, valid frames int [b_i] per request) -> float32
+        embeddings [b_i, tokens, hidden] per request.
 
         Raises:
             ValueError: requests whose item shapes differ (Triton batches only equal shapes).
@@ -78,16 +86,21 @@ class EncoderStage:
         shapes = {tuple(a.shape[1:]) for a in batches}
         if len(shapes) != 1:
             raise ValueError(f"encoder inputs in one batch must have equal shapes, got {sorted(shapes)}")
+        if self.model is None:
+            raise ValueError(self.missing)
         items = [np.asarray(item, dtype=np.float32) for batch in batches for item in batch]
-        keys = [content_key(item) for item in items]
+        frames = ([int(n) for batch in lengths for n in np.asarray(batch).reshape(-1)] if lengths is not None
+                  else [-1] * len(items))
+        keys = [content_key(item) + n.to_bytes(8, "little", signed=True) for item, n in zip(items, frames)]
         self.num_items += len(items)
         found = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
         missing = [key for key, value in found.items() if value is None]
         if missing:
             first = {key: index for index, key in reversed(list(enumerate(keys)))}
             stacked = torch.from_numpy(np.stack([items[first[key]] for key in missing]))
+            valid = torch.tensor([frames[first[key]] for key in missing]) if lengths is not None else None
             with torch.inference_mode():
-                out = self.model(stacked.to(self.device, self.dtype)).float().cpu().numpy()
+                out = self.model(stacked.to(self.device, self.dtype), valid).float().cpu().numpy()
             self.num_encoded += len(missing)
             for key, value in zip(missing, out):
                 found[key] = value
@@ -98,40 +111,96 @@ class EncoderStage:
 
 
 def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
-    """The encoder stage from a model's config parameters (`model_path`, `device`, `dtype`, and on a GPU its
-    share of device memory, `gpu_memory_fraction`: ops/gpu_budget.py).
+    """The encoder stage from a model's config parameters: `model_path` and `llm_model_path` (which encoder,
+    `media_spec.media_source`), `device`, `dtype`, and on a GPU its share of device memory,
+    `gpu_memory_fraction` (ops/gpu_budget.py).
 
     Raises:
-        ValueError: a malformed device or memory fraction; RuntimeError: a CUDA device torch cannot use.
+        ValueError: a malformed device or memory fraction, or an unsupported checkpoint; RuntimeError: a CUDA
+            device torch cannot use.
     """
     import torch
 
     from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
     from omni_backend.ops.hardware import resolve_device
 
+    source = media_source(kind, parameters.get("model_path", ""), parameters.get("llm_model_path", ""))
+    if source is None:
+        return EncoderStage(None, missing=f"this server has no {kind} encoder: its model "
+                                          f"({parameters.get('llm_model_path')}) reads no {kind}")
     device = resolve_device(parameters.get("device") or "auto")
     apply_gpu_memory_budget(device, float(parameters.get("gpu_memory_fraction") or 1.0), f"{kind}_encoder")
     dtype_name = parameters.get("dtype") or "auto"
     dtype = torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name)
     if dtype_name == "auto" and device.startswith("cuda"):
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return EncoderStage(load_encoder(encoder_path(kind, parameters.get("model_path", "")), device, dtype), device)
+    if source.architecture is not None:
+        from omni_backend.stages.hf_encoders import load_hf_encoder
+
+        model = load_hf_encoder(source.folder, kind).to(device=device, dtype=dtype)
+    else:
+        model = load_encoder(source.folder, device, dtype)
+    return EncoderStage(model, device)
 
 
-def splice_embeddings(parts: list[dict], positions: np.ndarray, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """The llm's `prompt_embeds` [k, hidden] and `prompt_embed_positions` [k] from each part's encoder output.
+@dataclass
+class EncoderCall:
+    """One encoder request of a media item: `inputs` by tensor name, each with a leading batch dimension of 1."""
+
+    part: int  # index of the media part it belongs to
+    model: str
+    inputs: dict[str, np.ndarray]
+
+
+def encoder_calls(parts: list[dict], pixel_values: np.ndarray | None,
+                  input_features: np.ndarray | None) -> list[EncoderCall]:
+    """The encoder requests of a preprocessed request: one per item (an image crop, an image or a clip), in
+    order, so the encoders' dynamic batchers merge items across requests.
 
     Args:
-        parts: preprocess's `media_parts` ({"kind", "tokens"} in prompt order).
+        parts: preprocess's `media_parts` (`kind`, `tokens`, `items` (default 1), audio `frames`).
+        pixel_values, input_features: preprocess's item tensors [items, ...] of each kind.
+
+    Raises:
+        ValueError: more items named by the parts than the tensors hold.
+    """
+    arrays = {"image": pixel_values, "audio": input_features}
+    seen = {"image": 0, "audio": 0}
+    calls = []
+    for index, part in enumerate(parts):
+        kind = part["kind"]
+        model, name = ENCODERS[kind]
+        for _ in range(int(part.get("items", 1))):
+            array = arrays[kind]
+            if array is None or seen[kind] >= array.shape[0]:
+                raise ValueError(f"media_parts names more {kind} items than {name} holds")
+            inputs = {name: np.ascontiguousarray(array[seen[kind]:seen[kind] + 1], dtype=np.float32)}
+            if kind == "audio":
+                inputs["input_lengths"] = np.asarray([[int(part["frames"])]], dtype=np.int32)
+            seen[kind] += 1
+            calls.append(EncoderCall(index, model, inputs))
+    return calls
+
+
+def splice_embeddings(parts: list[dict], positions: np.ndarray, calls: list[EncoderCall],
+                      outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The llm's `prompt_embeds` [k, hidden] and `prompt_embed_positions` [k] from the encoder outputs.
+
+    Args:
+        parts: preprocess's `media_parts` ({"kind", "tokens", ...} in prompt order).
         positions: preprocess's `media_positions` (k placeholder positions, in the same order).
-        outputs: one encoder output [1 or more, >= tokens, hidden] per part; the first `tokens` rows are used.
+        calls: `encoder_calls(...)`; outputs: each call's `embeddings` [1, rows, hidden]. A part's embeddings
+            are its items' rows in order, the first `tokens` of them.
 
     Raises:
         ValueError: the counts disagree.
     """
-    rows = [np.asarray(out).reshape(-1, np.asarray(out).shape[-1])[: part["tokens"]]
-            for out, part in zip(outputs, parts)]
-    embeds = np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)
+    rows: list[list[np.ndarray]] = [[] for _ in parts]
+    for call, out in zip(calls, outputs):
+        out = np.asarray(out)
+        rows[call.part].append(out.reshape(-1, out.shape[-1]))
+    embeds = [np.concatenate(item_rows)[: part["tokens"]] for item_rows, part in zip(rows, parts)]
+    embeds = np.ascontiguousarray(np.concatenate(embeds), dtype=np.float32)
     positions = np.asarray(positions, dtype=np.int32).reshape(-1)
     if embeds.shape[0] != positions.size:
         raise ValueError(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")

@@ -1,6 +1,7 @@
 """What the preprocess stage needs to know about an image or audio encoder, and where its checkpoint folder is.
 
-An encoder folder holds `config.json` (the tower's transformers config), `model.safetensors` (tower and projector
+The encoder of a kind comes from a Hugging Face multimodal checkpoint (`omni_backend.checkpoints`: the LLM's own
+folder, or a configured one) or from a project encoder folder. A project encoder folder holds `config.json` (the tower's transformers config), `model.safetensors` (tower and projector
 weights; omni_backend/stages/media_encoder.py loads them) and `omni_media.json`, the `MediaSpec` read here. This
 module imports neither torch nor transformers, so preprocess can use it.
 """
@@ -12,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omni_backend import paths
+from omni_backend import checkpoints, paths
 
 SPEC_FILE = "omni_media.json"
 DEFAULT_DIRS = {"image": "tiny-omni-vision", "audio": "tiny-omni-audio"}
@@ -39,3 +40,43 @@ def encoder_path(kind: str, configured: str = "") -> Path:
     """Checkpoint folder: the configured path, else `$OMNI_VISION_MODEL_PATH`/`$OMNI_AUDIO_MODEL_PATH`, else the
     tiny random default under `<cache>/models/`."""
     return Path(configured or os.environ.get(ENV_VARS[kind]) or paths.models_dir() / DEFAULT_DIRS[kind]).absolute()
+
+
+@dataclass(frozen=True)
+class MediaSource:
+    """Where a kind's encoder comes from.
+
+    Attributes:
+        folder: the checkpoint folder (absolute).
+        architecture: the multimodal architecture of a Hugging Face checkpoint; None for a project encoder
+            folder (`omni_media.json` + tower + projector).
+    """
+
+    folder: Path
+    architecture: checkpoints.MultimodalArchitecture | None = None
+
+
+def media_source(kind: str, configured: str = "", llm_model_path: str = "") -> MediaSource | None:
+    """The encoder of `kind` ("image"/"audio"), None when the server has none.
+
+    A multimodal LLM checkpoint brings its own encoder, and only for the media it reads (an Idefics3 folder has
+    no audio encoder). Otherwise: the configured folder, else `$OMNI_VISION_MODEL_PATH`/`$OMNI_AUDIO_MODEL_PATH`,
+    else the tiny random default under `<cache>/models/`; such a folder may itself be a multimodal checkpoint of
+    this kind.
+
+    Raises:
+        ValueError: a folder of an unsupported architecture, or a multimodal one that reads other media.
+    """
+    if llm_model_path:
+        architecture = checkpoints.multimodal_architecture(llm_model_path)
+        if architecture is not None:
+            if architecture.kind != kind:
+                return None
+            return MediaSource(Path(llm_model_path).absolute(), architecture)
+    folder = encoder_path(kind, configured)
+    if (folder / SPEC_FILE).is_file():
+        return MediaSource(folder)
+    architecture = checkpoints.multimodal_architecture(folder)
+    if architecture is not None and architecture.kind != kind:
+        raise ValueError(f"{folder} is a {architecture.name} checkpoint, which has no {kind} encoder")
+    return MediaSource(folder, architecture)

@@ -22,10 +22,12 @@ Image and audio content parts (`{"type": "image_url", "image_url": {"url": "data
 (`omni_backend.stages.media`) when the stage has encoders configured (`MediaConfig`); each becomes a run of the
 encoder's placeholder token in the prompt, and four more outputs appear (with zero items for a request without
 media, when encoders are configured):
-`pixel_values` FP32 [n_images, 3, S, S], `input_features` FP32 [n_audio, mel bins, frames], `media_parts`
-STRING [1] (JSON `[{"kind": "image"|"audio", "tokens": int}, ...]` in prompt order) and `media_positions` INT32
-[n_placeholders] (prompt positions, in the same order). The caller runs the encoders and hands the llm
-`prompt_embeds` for those positions.
+`pixel_values` FP32 [n_items, 3, S, S], `input_features` FP32 [n_audio, mel bins, frames], `media_parts`
+STRING [1] (JSON `[{"kind": "image"|"audio", "tokens": int, "items": int, "frames": int (audio)}, ...]` in prompt
+order: placeholders, encoder items (an image split into crops has several) and a clip's valid mel frames) and
+`media_positions` INT32 [n_placeholders] (prompt positions, in the same order). The caller runs the encoders
+(`media_encoder.encoder_calls`) and hands the llm `prompt_embeds` for those positions. A multimodal LLM
+checkpoint renders every chat with its own processor instead (`hf_prompt.ProcessorPrompt`).
 
 Every bad input raises a `FieldError` naming the tensor (and the path inside a messages array,
 `text_input[0].content[1]`), or a `StageError` of kind CONTEXT_LENGTH_EXCEEDED; the Triton model turns it into an
@@ -56,12 +58,14 @@ def parse_messages(text: str) -> list[dict]:
     return parse_chat(text)[0]
 
 
-def parse_chat(text: str, marker: str | None = None) -> tuple[list[dict], list[dict]]:
+def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -> tuple[list[dict], list[dict]]:
     """Parse an OpenAI-style messages JSON array into `[{"role": str, "content": str}, ...]` and its media parts.
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
     `marker` is given, `image_url` / `input_audio` parts, each written into the content as `marker` and returned
     (in order) as `{"kind": "image"|"audio", "part": <the part>, "field": "text_input[i].content[j]"}`.
+    With `keep_parts`, every content is instead the list of parts transformers' multimodal chat templates read:
+    `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of each media part.
 
     Raises:
         FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
@@ -83,21 +87,25 @@ def parse_chat(text: str, marker: str | None = None) -> tuple[list[dict], list[d
         if not isinstance(role, str) or not role:
             raise FieldError(f"{where}.role", "must be a non-empty string")
         if isinstance(content, list):
-            texts = []
+            texts, parts = [], []
             for part_index, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if marker is not None and kind in MEDIA_PART_TYPES:
                     media.append({"kind": MEDIA_PART_TYPES[kind], "part": part,
                                   "field": f"{where}.content[{part_index}]"})
                     texts.append(marker)
+                    parts.append({"type": MEDIA_PART_TYPES[kind]})
                     continue
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
                                      + ("" if marker is None else " or an image_url / input_audio part"))
                 texts.append(part["text"])
-            content = "\n".join(texts)
+                parts.append({"type": "text", "text": part["text"]})
+            content = parts if keep_parts else "\n".join(texts)
         elif not isinstance(content, str):
             raise FieldError(f"{where}.content", "must be a string or a list of text parts")
+        elif keep_parts:
+            content = [{"type": "text", "text": content}]
         messages.append({"role": role, "content": content})
     return messages, media
 
@@ -106,29 +114,42 @@ class MediaConfig:
     """The encoders the preprocess stage prepares inputs for, and the media limits.
 
     Args:
-        specs: kind ("image"/"audio") -> `MediaSpec` of its encoder; a kind without one answers 400.
+        specs: kind ("image"/"audio") -> `MediaSpec` of its project encoder; a kind without one answers 400.
         limits: `omni_backend.stages.media.MediaLimits`.
+        prompt: the `hf_prompt.ProcessorPrompt` of a multimodal LLM checkpoint, which then renders every chat and
+            reads its own kind of media (`specs` is empty).
     """
 
-    def __init__(self, specs: dict, limits):
-        self.specs, self.limits = specs, limits
+    def __init__(self, specs: dict, limits, prompt=None):
+        self.specs, self.limits, self.prompt = specs, limits, prompt
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "MediaConfig":
-        """From preprocess config parameters: `vision_model_path` / `audio_model_path` (empty: the default
-        encoders; "none": off) and the `MediaLimits` fields."""
-        from omni_backend.stages.media import MediaLimits
-        from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, encoder_path
+        """From preprocess config parameters: `llm_model_path` (a multimodal checkpoint brings its own encoder
+        and processor), `vision_model_path` / `audio_model_path` (empty: the default encoders; "none": off) and
+        the `MediaLimits` fields.
 
+        Raises:
+            ValueError: an unsupported checkpoint architecture (`omni_backend.checkpoints`).
+        """
+        from omni_backend.stages.media import MediaLimits
+        from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, media_source
+
+        limits = MediaLimits.from_parameters(parameters)
+        llm_model_path = parameters.get("llm_model_path", "")
         specs = {}
         for kind, key in (("image", "vision_model_path"), ("audio", "audio_model_path")):
             configured = parameters.get(key, "")
             if configured.lower() == "none":
                 continue
-            folder = encoder_path(kind, configured)
-            if (folder / SPEC_FILE).is_file():
-                specs[kind] = MediaSpec.load(folder)
-        return cls(specs, MediaLimits.from_parameters(parameters))
+            source = media_source(kind, configured, llm_model_path)
+            if source is not None and source.architecture is not None:
+                from omni_backend.stages.hf_prompt import ProcessorPrompt
+
+                return cls({}, limits, ProcessorPrompt(source.folder, source.architecture))
+            if source is not None and (source.folder / SPEC_FILE).is_file():
+                specs[kind] = MediaSpec.load(source.folder)
+        return cls(specs, limits)
 
 
 class Preprocessor:
@@ -165,20 +186,21 @@ class Preprocessor:
         if text.lstrip().startswith("["):
             ids, media = self.tokenize_messages(text)
             if media:
-                raise FieldError(media[0]["field"], "is an image or audio part: use run() for media parts")
+                raise FieldError("text_input", "has image or audio parts: use run() for media parts")
         else:
             ids = list(self.tokenizer(text).input_ids)
         if not ids:
             raise FieldError("text_input", "is empty after tokenization")
         return ids
 
-    def tokenize_messages(self, text: str) -> tuple[list[int], list[dict]]:
+    def tokenize_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
         """Chat-template token ids of a messages array, with each media part's placeholder run in place.
 
         Returns:
-            (ids, media): media parts in prompt order, each with `start` (its first placeholder position),
-            `tokens` and the decoded encoder input `array`.
+            (ids, media outputs): the media output tensors (module docstring) of a chat with media parts, else {}.
         """
+        if self.media is not None and self.media.prompt is not None:
+            return self._processor_messages(text)
         marker = self._marker if self.media is not None else None
         messages, media = parse_chat(text, marker)
         if not getattr(self.tokenizer, "chat_template", None):
@@ -190,7 +212,7 @@ class Preprocessor:
             if not media:
                 encoded = self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-                return list(encoded["input_ids"]), []
+                return list(encoded["input_ids"]), {}
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
             raise FieldError("text_input", f"messages were rejected by the chat template: {exc}") from None
@@ -206,7 +228,60 @@ class Preprocessor:
                 token_id = self.tokenizer.convert_tokens_to_ids(spec.placeholder_token)
                 item["start"] = len(ids)
                 ids.extend([token_id] * item["tokens"])
-        return ids, media
+        return ids, media_outputs(media, self.media.specs) if media else {}
+
+    def _processor_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
+        """`tokenize_messages` through a multimodal checkpoint's own processor (`hf_prompt.ProcessorPrompt`)."""
+        from omni_backend.stages import media as decoding
+
+        prompt, limits = self.media.prompt, self.media.limits
+        messages, media = parse_chat(text, self._marker, keep_parts=True)
+        if len(media) > limits.max_media_parts:
+            raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
+                             f"the limit is {limits.max_media_parts} per request)")
+        decoded = []
+        for item in media:
+            label = f"{item['field']} ({item['part'].get('type')})"
+            try:
+                if item["kind"] != prompt.kind:
+                    raise ValueError(f"{label}: this server has no {item['kind']} encoder")
+                if item["kind"] == "image":
+                    decoded.append(decoding.open_image(self._image_bytes(item, label), label, limits))
+                else:
+                    samples = decoding.decode_audio(self._audio_data(item, label), label, limits)
+                    decoded.append(decoding.resample(samples, decoding.SAMPLE_RATE, prompt.sampling_rate))
+            except ValueError as exc:  # media.py's messages start with the label it was given
+                raise FieldError(item["field"], str(exc).removeprefix(item["field"] + " ")) from None
+        try:
+            return prompt.render(messages, decoded)
+        except ValueError as exc:
+            raise FieldError("text_input", str(exc)) from None
+
+    def _image_bytes(self, item: dict, label: str) -> bytes:
+        """The encoded image of an image_url part.
+
+        Raises:
+            ValueError: no string url, or what `media.image_bytes_from_url` raises.
+        """
+        from omni_backend.stages import media as decoding
+
+        body = item["part"].get("image_url")
+        url = body.get("url") if isinstance(body, dict) else body
+        if not isinstance(url, str):
+            raise ValueError(f"{label}: image_url.url must be a string")
+        return decoding.image_bytes_from_url(url, label, self.media.limits)
+
+    @staticmethod
+    def _audio_data(item: dict, label: str) -> str:
+        """The base64 data of an input_audio part.
+
+        Raises:
+            ValueError: no base64 string.
+        """
+        body = item["part"].get("input_audio")
+        if not isinstance(body, dict) or not isinstance(body.get("data"), str):
+            raise ValueError(f"{label}: input_audio.data must be a base64 string")
+        return body["data"]
 
     def _decode_media(self, media: list[dict]) -> None:
         """Decode each media part into its encoder input (`array`) and placeholder count (`tokens`).
@@ -237,26 +312,19 @@ class Preprocessor:
         if spec is None:
             raise ValueError(f"{label}: this server has no {kind} encoder")
         if kind == "image":
-            body = part.get("image_url")
-            url = body.get("url") if isinstance(body, dict) else body
-            if not isinstance(url, str):
-                raise ValueError(f"{label}: image_url.url must be a string")
-            data = decoding.image_bytes_from_url(url, label, limits)
+            data = self._image_bytes(item, label)
             p = spec.processor
             item["array"] = decoding.decode_image(data, label, limits, p["image_size"], p["mean"], p["std"])
             item["tokens"] = spec.tokens
         else:
             from omni_backend.stages.audio import HOP_LENGTH, log_mel, tokens_for_frames
 
-            body = part.get("input_audio")
-            if not isinstance(body, dict) or not isinstance(body.get("data"), str):
-                raise ValueError(f"{label}: input_audio.data must be a base64 string")
-            samples = decoding.decode_audio(body["data"], label, limits)
+            samples = decoding.decode_audio(self._audio_data(item, label), label, limits)
             p = spec.processor
             samples = samples[:p["max_frames"] * HOP_LENGTH]
             item["array"] = log_mel(samples, p["feature_size"], p["max_frames"]).astype(np.float32)
-            frames = min(p["max_frames"], -(-samples.size // HOP_LENGTH))
-            item["tokens"] = tokens_for_frames(frames, spec.pool)
+            item["frames"] = min(p["max_frames"], -(-samples.size // HOP_LENGTH))
+            item["tokens"] = tokens_for_frames(item["frames"], spec.pool)
 
     def check_token_ids(self, array) -> list[int]:
         """A prompt given as token ids, checked against the vocabulary.
@@ -324,7 +392,7 @@ class Preprocessor:
         if text is None:
             raise FieldError("text_input", "is required")
         settings = self.settings(arrays)
-        media = []
+        media = {}
         if arrays.get("prompt_token_ids") is not None:
             ids = self.check_token_ids(arrays["prompt_token_ids"])
             prompt_text = self.tokenizer.decode(ids)
@@ -343,7 +411,7 @@ class Preprocessor:
             "prompt_text": string_tensor(prompt_text),
         }
         if media:
-            outputs.update(media_outputs(media, self.media.specs))
+            outputs.update(media)
         elif self.media is not None:  # empty media outputs: the omni_chat_mm ensemble's later steps wait for them
             outputs.update(empty_media_outputs(self.media.specs))
         return outputs
@@ -368,7 +436,9 @@ def media_outputs(media: list[dict], specs: dict) -> dict[str, np.ndarray]:
     positions = [m["start"] + i for m in media for i in range(m["tokens"])]
     outputs = empty_media_outputs(specs)
     outputs |= {
-        "media_parts": string_tensor(json.dumps([{"kind": m["kind"], "tokens": m["tokens"]} for m in media])),
+        "media_parts": string_tensor(json.dumps([{"kind": m["kind"], "tokens": m["tokens"], "items": 1}
+                                                 | ({"frames": m["frames"]} if m["kind"] == "audio" else {})
+                                                 for m in media])),
         "media_positions": np.asarray(positions, dtype=np.int32),
     }
     if images:

@@ -37,8 +37,9 @@ class VisionEncoder(nn.Module):
         """Placeholder tokens per image."""
         return math.ceil(self.grid / self.pool) ** 2
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[B, 3, S, S] normalized pixels -> [B, tokens, out_hidden]."""
+    def forward(self, pixel_values: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 3, S, S] normalized pixels -> [B, tokens, out_hidden] (`lengths` is unused: images have no
+        padding)."""
         hidden = self.tower(pixel_values=pixel_values).last_hidden_state  # [B, grid*grid, H]
         b, _, h = hidden.shape
         grid = hidden.transpose(1, 2).reshape(b, h, self.grid, self.grid)

@@ -19,8 +19,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         arrays = [pb_utils.get_input_tensor_by_name(r, "input_features").as_numpy() for r in requests]
+        lengths = [pb_utils.get_input_tensor_by_name(r, "input_lengths").as_numpy().reshape(-1) for r in requests]
         try:
-            outputs = self.stage.run(arrays)
+            outputs = self.stage.run(arrays, lengths)
         except ValueError as exc:
             error = triton_error(pb_utils, exc, "audio_encoder")
             return [pb_utils.InferenceResponse(error=error) for _ in requests]

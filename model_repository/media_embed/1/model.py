@@ -7,10 +7,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import StageHeartbeat
-from omni_backend.stages.media_encoder import splice_embeddings
+from omni_backend.stages.media_encoder import ENCODERS, encoder_calls, splice_embeddings
 from omni_backend.stages.tensors import triton_error
-
-ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
 
 
 class TritonPythonModel:
@@ -27,21 +25,17 @@ class TritonPythonModel:
             positions = pb_utils.get_input_tensor_by_name(request, "media_positions").as_numpy()
             if not parts:
                 return self._response(np.zeros((0, 0), dtype=np.float32), np.zeros(0, dtype=np.int32))
-            arrays = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
-                      for _, name in ENCODERS.values()}
-            seen, calls = {"image": 0, "audio": 0}, []
-            for part in parts:
-                model, name = ENCODERS[part["kind"]]
-                item = np.ascontiguousarray(arrays[name][seen[part["kind"]]:seen[part["kind"]] + 1])
-                seen[part["kind"]] += 1
-                calls.append(pb_utils.InferenceRequest(model_name=model, requested_output_names=["embeddings"],
-                                                       inputs=[pb_utils.Tensor(name, item)]).async_exec())
+            calls = encoder_calls(parts, *(pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+                                           for _, name in ENCODERS.values()))
+            requests = [pb_utils.InferenceRequest(model_name=call.model, requested_output_names=["embeddings"],
+                                                  inputs=[pb_utils.Tensor(k, v) for k, v in call.inputs.items()])
+                        for call in calls]
             outputs = []
-            for response in await asyncio.gather(*calls):
+            for response in await asyncio.gather(*(r.async_exec() for r in requests)):
                 if response.has_error():
                     raise ValueError(response.error().message())
                 outputs.append(pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy())
-            spliced = splice_embeddings(parts, positions, outputs)
+            spliced = splice_embeddings(parts, positions, calls, outputs)
             return self._response(spliced["prompt_embeds"], spliced["prompt_embed_positions"])
         except (ValueError, KeyError, IndexError) as exc:
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, ValueError(f"media_embed: {exc}"),

@@ -16,11 +16,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from omni_backend import checkpoints
 from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention
 from omni_backend.engine.models.rope import apply_rope, cos_sin_cache, rope_parameters
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
 class RMSNorm(nn.Module):
@@ -124,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, model_path: str) -> None:
         """Load HF safetensors weights into the parameters (already on their device, in their final dtype),
         fusing q/k/v and gate/up projections. Tensors are read one at a time from the memory-mapped files, so
-        the host holds at most one fused weight beside the mapping, never a second copy of the checkpoint.
+        the host holds at most one fused weight beside the mapping, never a second copy of the checkpoint. A
+        multimodal checkpoint's language model is read under its own names (`checkpoints.text_weight_name`).
 
         Raises:
             FileNotFoundError: no *.safetensors in model_path.
@@ -134,11 +134,11 @@ class LlamaForCausalLM(nn.Module):
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {model_path}")
         with ExitStack() as stack:
-            where: dict[str, tuple] = {}  # name without the "model." prefix -> (open file, name in the file)
+            where: dict[str, tuple] = {}  # the language model's name -> (open file, name in the file)
             for path in files:
                 handle = stack.enter_context(safe_open(path, framework="pt"))
                 for name in handle.keys():
-                    where[name.removeprefix("model.")] = (handle, name)
+                    where[checkpoints.text_weight_name(name)] = (handle, name)
 
             def take(name: str) -> torch.Tensor:
                 if name not in where:

@@ -1,0 +1,121 @@
+"""Prompts of a Hugging Face multimodal checkpoint, made by the checkpoint's own processor.
+
+The processor (`AutoProcessor` of the folder: tokenizer, chat template, image processor or feature extractor)
+renders the chat messages, expands each image or audio placeholder into the model's run of tokens (SmolVLM's
+image splitting with `<fake_token_around_image>`, `<row_r_col_c>` and `<global-img>` rows, LLaVA's patch
+count, Qwen2-Audio's frame count) and turns the media into encoder items. This module then splits those items
+and placeholder positions by media part for the encoder stages (`media_encoder.encoder_calls`):
+
+    Idefics3 / SmolVLM  an image -> its crops, each one item of `image_seq_len` placeholders (the global
+                        image last, behind `<global-img>`)
+    LLaVA               an image -> one item of the processor's image-token count
+    Qwen2-Audio         a clip   -> one item [128, 3000] and its valid frames (`frames`)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from omni_backend import checkpoints
+from omni_backend.stages.tensors import string_tensor
+
+
+class ProcessorPrompt:
+    """Renders chat messages with media through a multimodal checkpoint's processor.
+
+    Args:
+        folder: the checkpoint folder (its processor files, tokenizer and config.json).
+        architecture: its `checkpoints.MultimodalArchitecture`.
+
+    Attributes:
+        kind: the media the model reads ("image" or "audio").
+        sampling_rate: the audio rate its feature extractor expects, Hz (audio models only).
+    """
+
+    def __init__(self, folder: str | Path, architecture: checkpoints.MultimodalArchitecture):
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+        self.architecture = architecture
+        self.kind = architecture.kind
+        self.token_id = int(checkpoints.read_config(folder)[architecture.token_key])
+        extractor = getattr(self.processor, "feature_extractor", None)
+        self.sampling_rate = int(getattr(extractor, "sampling_rate", 16_000))
+
+    def render(self, messages: list[dict], media: list) -> tuple[list[int], dict[str, np.ndarray]]:
+        """Token ids and media outputs of a chat.
+
+        Args:
+            messages: `[{"role": str, "content": [{"type": "text", "text": str} | {"type": "image"|"audio"}]}]`.
+            media: the decoded media of the chat's media parts in order: RGB `PIL.Image`s or float32 samples
+                at `sampling_rate`.
+
+        Returns:
+            (ids, outputs): outputs holds `media_parts` (JSON, one `{"kind", "tokens", "items"[, "frames"]}` per
+            part), `media_positions` int32 [placeholders] and the items (`pixel_values` [crops or images, 3, S,
+            S] or `input_features` [clips, mel bins, frames]), all empty for a chat without media.
+
+        Raises:
+            ValueError: the template rejected the messages, or the processor's expansion disagrees with its
+                items (a processor this module does not know).
+        """
+        try:
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
+            raise ValueError(f"messages were rejected by the chat template: {exc}") from None
+        kwargs = {}
+        if media and self.kind == "image":
+            kwargs["images"] = [media] if self.architecture.name != "LlavaForConditionalGeneration" else media
+        elif media:
+            kwargs.update(audio=media, sampling_rate=self.sampling_rate)
+        encoded = self.processor(text=text, return_tensors="np", **kwargs)
+        ids = [int(i) for i in encoded["input_ids"][0]]
+        positions = np.flatnonzero(np.asarray(ids) == self.token_id).astype(np.int32)
+        if not media:
+            return ids, {}
+        if self.kind == "audio":
+            features = np.asarray(encoded["input_features"], dtype=np.float32)
+            frames = [int(n) for n in np.asarray(encoded["feature_attention_mask"]).sum(axis=-1)]
+            from omni_backend.stages.hf_encoders import audio_tokens
+
+            parts = [{"kind": "audio", "tokens": audio_tokens(n), "items": 1, "frames": n} for n in frames]
+            items = {"input_features": features}
+        else:
+            pixels = np.asarray(encoded["pixel_values"], dtype=np.float32)
+            pixels = pixels.reshape(-1, *pixels.shape[-3:])
+            parts = self._image_parts(ids, len(media), pixels.shape[0])
+            items = {"pixel_values": pixels}
+        if sum(p["tokens"] for p in parts) != positions.size:
+            raise ValueError(f"the processor wrote {positions.size} placeholders for media parts of "
+                             f"{sum(p['tokens'] for p in parts)} embeddings")
+        return ids, {"media_parts": string_tensor(json.dumps(parts)), "media_positions": positions, **items}
+
+    def _image_parts(self, ids: list[int], num_images: int, num_items: int) -> list[dict]:
+        """Parts of `num_images` images whose processor made `num_items` items (crops or images)."""
+        if self.architecture.name == "LlavaForConditionalGeneration":
+            tokens = sum(1 for i in ids if i == self.token_id) // num_images
+            return [{"kind": "image", "tokens": tokens, "items": 1} for _ in range(num_images)]
+        # Idefics3 / SmolVLM: one run of image_seq_len placeholders per crop; an image's runs end with the one
+        # behind its <global-img> tag.
+        global_id = self.processor.tokenizer.convert_tokens_to_ids(self.processor.global_image_tag)
+        parts, runs = [], []
+        index = 0
+        while index < len(ids):
+            if ids[index] != self.token_id:
+                index += 1
+                continue
+            start = index
+            while index < len(ids) and ids[index] == self.token_id:
+                index += 1
+            runs.append(index - start)
+            if start > 0 and ids[start - 1] == global_id:
+                parts.append({"kind": "image", "tokens": sum(runs), "items": len(runs)})
+                runs = []
+        if runs or len(parts) != num_images or sum(p["items"] for p in parts) != num_items:
+            raise ValueError(f"the processor's image expansion ({len(parts)} images, "
+                             f"{sum(p['items'] for p in parts)} crops) does not match its {num_images} images "
+                             f"and {num_items} crops")
+        return parts

@@ -99,8 +99,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, max_waiting: int | None = None):
         self.config = config
+        self.runner = ModelRunner(config)  # first: it names an unsupported architecture
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.runner = ModelRunner(config)
         self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_waiting)
         self.eos_token_ids = self._eos_token_ids(config.model_path)

@@ -47,15 +47,18 @@ WARM_UP_SHAPES = ((1, 0), (2, 0), (16, 0), (1, 1), (4, 1))
 WARM_UP_PREFILL_TOKENS = 16  # per prefill sequence in a warm-up step
 
 
-def language_model_config(hf_config):
-    """The config of the language model the engine runs: a text checkpoint's own, or a multimodal checkpoint's
-    `text_config` (its tower and connector run in the encoder stages), with the tying of input and output
-    embeddings the top-level config decides (transformers ties them by the top level for these architectures).
+def language_model_config(model_path: str):
+    """The transformers config of the language model the engine runs: a text checkpoint's own, or a multimodal
+    checkpoint's `text_config` (its tower and connector run in the encoder stages), with the tying of input and
+    output embeddings the top-level config decides (transformers ties them by the top level for these
+    architectures).
 
     Raises:
-        ValueError: an architecture the product does not serve (`omni_backend.checkpoints`).
+        ValueError: an architecture the product does not serve (`omni_backend.checkpoints`), named before
+            transformers reads the config.
     """
-    name = checkpoints.architecture_name(hf_config.to_dict())
+    name = checkpoints.architecture_name(checkpoints.read_config(model_path))
+    hf_config = AutoConfig.from_pretrained(model_path)
     if name not in checkpoints.MULTIMODAL_ARCHITECTURES:
         return hf_config
     text_config = hf_config.get_text_config()
@@ -87,7 +90,7 @@ class ModelRunner:
             if config.cpu_threads:
                 torch.set_num_threads(config.cpu_threads)
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
-        hf_config = language_model_config(AutoConfig.from_pretrained(config.model_path))
+        hf_config = language_model_config(config.model_path)
         self.hf_config = hf_config
         self.dtype = select_dtype(config.dtype, self.device.torch_device)
         self.num_q_heads = hf_config.num_attention_heads

@@ -410,10 +410,8 @@ class Preprocessor:
             "sampling_params": string_tensor(params.to_json()),
             "prompt_text": string_tensor(prompt_text),
         }
-        if media:
-            outputs.update(media)
-        elif self.media is not None:  # empty media outputs: the omni_chat_mm ensemble's later steps wait for them
-            outputs.update(empty_media_outputs(self.media.specs))
+        if self.media is not None:  # every media output, empty or not: the omni_chat_mm ensemble waits for them
+            outputs.update(empty_media_outputs(self.media.specs) | media)
         return outputs
 
 

@@ -83,6 +83,16 @@ def multimodal_architecture(folder: str | Path) -> MultimodalArchitecture | None
     return MULTIMODAL_ARCHITECTURES.get(architecture_name(config))
 
 
+def text_hidden_size(folder: str | Path) -> int:
+    """The language model's hidden size (`text_config.hidden_size` of a multimodal checkpoint).
+
+    Raises:
+        FileNotFoundError: no config.json; KeyError: no hidden size in it.
+    """
+    config = read_config(folder)
+    return int(config.get("text_config", config)["hidden_size"])
+
+
 def text_weight_name(stored: str) -> str:
     """A checkpoint tensor name as the language model's own name (`layers.0.self_attn.q_proj.weight`,
     `lm_head.weight`): the first matching prefix of `_TEXT_PREFIXES` removed. Tower and connector names come

@@ -7,7 +7,8 @@ folder that tritonserver loads with `--model-repository`.
 
 Settings (placeholder name, environment variable, default):
 
-    llm_model_path     OMNI_LLM_MODEL_PATH     <cache>/models/SmolLM2-135M-Instruct (absolute)
+    llm_model_path     OMNI_LLM_MODEL_PATH     <cache>/models/SmolVLM-SmolLM2-135M-Instruct (absolute): SmolLM2 in a
+                                               SmolVLM-architecture folder (setup/tiny_multimodal.py)
     max_model_len      OMNI_MAX_MODEL_LEN      2048 tokens (prompt + completion)
     max_num_seqs       OMNI_MAX_NUM_SEQS       32 sequences decoded together
     kv_cache_bytes     OMNI_KV_CACHE_BYTES     0: the device's default (512 MiB on CPU; on a GPU what
@@ -52,7 +53,9 @@ _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def _default_llm_model_path() -> str:
-    return str(paths.models_dir() / "SmolLM2-135M-Instruct")
+    from omni_backend.setup.tiny_multimodal import VLM_NAME
+
+    return str(paths.models_dir() / VLM_NAME)
 
 
 def _default_diffusion_model_path() -> str:

@@ -8,7 +8,7 @@ from omni_backend.repository import Settings, render_config, render_repository
 
 def test_defaults_are_absolute_and_documented_values():
     settings = Settings.load(environ={})
-    assert settings.llm_model_path == str(paths.models_dir() / "SmolLM2-135M-Instruct")
+    assert settings.llm_model_path == str(paths.models_dir() / "SmolVLM-SmolLM2-135M-Instruct")
     assert settings.llm_model_path.startswith("/")
     assert (settings.max_model_len, settings.max_num_seqs, settings.block_size) == (2048, 32, 16)
     assert settings.kv_cache_bytes == 0  # the device's default: 512 MiB on CPU, the utilisation share on a GPU

@@ -14,13 +14,11 @@ and placeholder positions by media part for the encoder stages (`media_encoder.e
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from omni_backend import checkpoints
-from omni_backend.stages.tensors import string_tensor
 
 
 class ProcessorPrompt:
@@ -45,7 +43,8 @@ class ProcessorPrompt:
         extractor = getattr(self.processor, "feature_extractor", None)
         self.sampling_rate = int(getattr(extractor, "sampling_rate", 16_000))
 
-    def render(self, messages: list[dict], media: list) -> tuple[list[int], dict[str, np.ndarray]]:
+    def render(self, messages: list[dict], media: list) -> tuple[list[int], list[dict], np.ndarray,
+                                                                  dict[str, np.ndarray]]:
         """Token ids and media outputs of a chat.
 
         Args:
@@ -54,9 +53,10 @@ class ProcessorPrompt:
                 at `sampling_rate`.
 
         Returns:
-            (ids, outputs): outputs holds `media_parts` (JSON, one `{"kind", "tokens", "items"[, "frames"]}` per
-            part), `media_positions` int32 [placeholders] and the items (`pixel_values` [crops or images, 3, S,
-            S] or `input_features` [clips, mel bins, frames]), all empty for a chat without media.
+            (ids, parts, positions, items): one `{"kind", "tokens", "items"[, "frames"]}` per media part, the
+            placeholder positions int32 [sum of tokens] in order, and the items by output name (`pixel_values`
+            [crops or images, 3, S, S] or `input_features` [clips, mel bins, frames]); no parts, positions or
+            items for a chat without media.
 
         Raises:
             ValueError: the template rejected the messages, or the processor's expansion disagrees with its
@@ -75,7 +75,7 @@ class ProcessorPrompt:
         ids = [int(i) for i in encoded["input_ids"][0]]
         positions = np.flatnonzero(np.asarray(ids) == self.token_id).astype(np.int32)
         if not media:
-            return ids, {}
+            return ids, [], positions, {}
         if self.kind == "audio":
             features = np.asarray(encoded["input_features"], dtype=np.float32)
             frames = [int(n) for n in np.asarray(encoded["feature_attention_mask"]).sum(axis=-1)]
@@ -91,7 +91,7 @@ class ProcessorPrompt:
         if sum(p["tokens"] for p in parts) != positions.size:
             raise ValueError(f"the processor wrote {positions.size} placeholders for media parts of "
                              f"{sum(p['tokens'] for p in parts)} embeddings")
-        return ids, {"media_parts": string_tensor(json.dumps(parts)), "media_positions": positions, **items}
+        return ids, parts, positions, items
 
     def _image_parts(self, ids: list[int], num_images: int, num_items: int) -> list[dict]:
         """Parts of `num_images` images whose processor made `num_items` items (crops or images)."""

@@ -21,6 +21,9 @@ import numpy as np
 
 SAMPLE_RATE = 16_000
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
+# A model's own image processor resizes images to at most a few hundred pixels a side (SmolVLM: 2048 before
+# splitting); JPEGs over twice this on both sides are decoded at a reduced scale of at least this size first.
+LARGE_IMAGE_DRAFT = 2048
 
 
 @dataclass

@@ -59,24 +59,22 @@ class MediaSource:
 def media_source(kind: str, configured: str = "", llm_model_path: str = "") -> MediaSource | None:
     """The encoder of `kind` ("image"/"audio"), None when the server has none.
 
-    A multimodal LLM checkpoint brings its own encoder, and only for the media it reads (an Idefics3 folder has
-    no audio encoder). Otherwise: the configured folder, else `$OMNI_VISION_MODEL_PATH`/`$OMNI_AUDIO_MODEL_PATH`,
-    else the tiny random default under `<cache>/models/`; such a folder may itself be a multimodal checkpoint of
-    this kind.
+    A multimodal LLM checkpoint brings the encoder of the media it reads. Every other kind comes from a project
+    encoder folder: the configured one, else `$OMNI_VISION_MODEL_PATH`/`$OMNI_AUDIO_MODEL_PATH`, else the tiny
+    random default under `<cache>/models/`. Beside a multimodal checkpoint, such a folder serves only when its
+    embeddings have the language model's width (the default audio encoder beside the default SmolVLM-shaped
+    checkpoint); an Idefics3 folder of another width has no audio encoder.
 
     Raises:
-        ValueError: a folder of an unsupported architecture, or a multimodal one that reads other media.
+        ValueError: an unsupported architecture in the LLM folder (`omni_backend.checkpoints`).
     """
-    if llm_model_path:
-        architecture = checkpoints.multimodal_architecture(llm_model_path)
-        if architecture is not None:
-            if architecture.kind != kind:
-                return None
-            return MediaSource(Path(llm_model_path).absolute(), architecture)
+    architecture = checkpoints.multimodal_architecture(llm_model_path) if llm_model_path else None
+    if architecture is not None and architecture.kind == kind:
+        return MediaSource(Path(llm_model_path).absolute(), architecture)
     folder = encoder_path(kind, configured)
-    if (folder / SPEC_FILE).is_file():
-        return MediaSource(folder)
-    architecture = checkpoints.multimodal_architecture(folder)
-    if architecture is not None and architecture.kind != kind:
-        raise ValueError(f"{folder} is a {architecture.name} checkpoint, which has no {kind} encoder")
-    return MediaSource(folder, architecture)
+    if architecture is not None:
+        if not (folder / SPEC_FILE).is_file():
+            return None
+        if MediaSpec.load(folder).hidden_size != checkpoints.text_hidden_size(llm_model_path):
+            return None
+    return MediaSource(folder)

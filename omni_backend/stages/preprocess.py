@@ -49,6 +49,7 @@ INPUT_NAMES = ("text_input", *(f.tensor for f in SAMPLING_FIELDS), "prompt_token
 OUTPUT_NAMES = ("input_ids", "sampling_params", "prompt_text")
 MEDIA_OUTPUT_NAMES = ("pixel_values", "input_features", "media_parts", "media_positions")
 MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio"}
+ENCODER_INPUTS = {"image": "pixel_values", "audio": "input_features"}  # the media output holding each kind's items
 _PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
 
 
@@ -63,9 +64,10 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
     `marker` is given, `image_url` / `input_audio` parts, each written into the content as `marker` and returned
-    (in order) as `{"kind": "image"|"audio", "part": <the part>, "field": "text_input[i].content[j]"}`.
-    With `keep_parts`, every content is instead the list of parts transformers' multimodal chat templates read:
-    `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of each media part.
+    (in order) as `{"kind": "image"|"audio", "part": <the part>, "slot": <its entry in the kept parts>, "field":
+    "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of parts transformers'
+    multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of
+    each media part.
 
     Raises:
         FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
@@ -91,10 +93,10 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
             for part_index, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if marker is not None and kind in MEDIA_PART_TYPES:
-                    media.append({"kind": MEDIA_PART_TYPES[kind], "part": part,
+                    parts.append({"type": MEDIA_PART_TYPES[kind]})
+                    media.append({"kind": MEDIA_PART_TYPES[kind], "part": part, "slot": parts[-1],
                                   "field": f"{where}.content[{part_index}]"})
                     texts.append(marker)
-                    parts.append({"type": MEDIA_PART_TYPES[kind]})
                     continue
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
@@ -117,7 +119,7 @@ class MediaConfig:
         specs: kind ("image"/"audio") -> `MediaSpec` of its project encoder; a kind without one answers 400.
         limits: `omni_backend.stages.media.MediaLimits`.
         prompt: the `hf_prompt.ProcessorPrompt` of a multimodal LLM checkpoint, which then renders every chat and
-            reads its own kind of media (`specs` is empty).
+            reads its own kind of media; `specs` then holds the project encoders of the other kinds, if any.
     """
 
     def __init__(self, specs: dict, limits, prompt=None):
@@ -137,19 +139,17 @@ class MediaConfig:
 
         limits = MediaLimits.from_parameters(parameters)
         llm_model_path = parameters.get("llm_model_path", "")
-        specs = {}
+        specs, prompt = {}, None
         for kind, key in (("image", "vision_model_path"), ("audio", "audio_model_path")):
             configured = parameters.get(key, "")
-            if configured.lower() == "none":
-                continue
-            source = media_source(kind, configured, llm_model_path)
+            source = media_source(kind, "" if configured.lower() == "none" else configured, llm_model_path)
             if source is not None and source.architecture is not None:
                 from omni_backend.stages.hf_prompt import ProcessorPrompt
 
-                return cls({}, limits, ProcessorPrompt(source.folder, source.architecture))
-            if source is not None and (source.folder / SPEC_FILE).is_file():
+                prompt = ProcessorPrompt(source.folder, source.architecture)
+            elif source is not None and configured.lower() != "none" and (source.folder / SPEC_FILE).is_file():
                 specs[kind] = MediaSpec.load(source.folder)
-        return cls(specs, limits)
+        return cls(specs, limits, prompt)
 
 
 class Preprocessor:
@@ -231,31 +231,67 @@ class Preprocessor:
         return ids, media_outputs(media, self.media.specs) if media else {}
 
     def _processor_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
-        """`tokenize_messages` through a multimodal checkpoint's own processor (`hf_prompt.ProcessorPrompt`)."""
-        from omni_backend.stages import media as decoding
-
+        """`tokenize_messages` through a multimodal checkpoint's own processor (`hf_prompt.ProcessorPrompt`).
+        Parts of a kind the checkpoint does not read go to a project encoder (`MediaConfig.specs`), written into
+        the messages as runs of its placeholder token."""
         prompt, limits = self.media.prompt, self.media.limits
         messages, media = parse_chat(text, self._marker, keep_parts=True)
         if len(media) > limits.max_media_parts:
             raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
                              f"the limit is {limits.max_media_parts} per request)")
-        decoded = []
+        own = []
         for item in media:
-            label = f"{item['field']} ({item['part'].get('type')})"
             try:
-                if item["kind"] != prompt.kind:
-                    raise ValueError(f"{label}: this server has no {item['kind']} encoder")
-                if item["kind"] == "image":
-                    decoded.append(decoding.open_image(self._image_bytes(item, label), label, limits))
+                if item["kind"] == prompt.kind:
+                    own.append(self._processor_media(item))
                 else:
-                    samples = decoding.decode_audio(self._audio_data(item, label), label, limits)
-                    decoded.append(decoding.resample(samples, decoding.SAMPLE_RATE, prompt.sampling_rate))
+                    self._decode_part(item)
+                    token = self.media.specs[item["kind"]].placeholder_token
+                    item["slot"].clear()
+                    item["slot"].update(type="text", text=token * item["tokens"])
+            except FieldError:
+                raise
             except ValueError as exc:  # media.py's messages start with the label it was given
                 raise FieldError(item["field"], str(exc).removeprefix(item["field"] + " ")) from None
         try:
-            return prompt.render(messages, decoded)
+            ids, parts, positions, items = prompt.render(messages, own)
         except ValueError as exc:
             raise FieldError("text_input", str(exc)) from None
+        if not media:
+            return ids, {}
+        spans = np.split(positions, np.cumsum([p["tokens"] for p in parts])[:-1]) if parts else []
+        placed = list(zip(spans, parts))
+        for kind, spec in self.media.specs.items():
+            mine = [m for m in media if m["kind"] == kind]
+            found = np.flatnonzero(np.asarray(ids) == self.tokenizer.convert_tokens_to_ids(spec.placeholder_token))
+            if found.size != sum(m["tokens"] for m in mine):
+                raise FieldError("text_input", f"holds {spec.placeholder_token}, the {kind} placeholder token, "
+                                 f"outside its media parts")
+            for span, m in zip(np.split(found, np.cumsum([m["tokens"] for m in mine])[:-1]) if mine else [], mine):
+                placed.append((span, {"kind": kind, "tokens": m["tokens"], "items": 1}
+                               | ({"frames": m["frames"]} if kind == "audio" else {})))
+            if mine:
+                items[ENCODER_INPUTS[kind]] = np.stack([m["array"] for m in mine]).astype(np.float32)
+        placed.sort(key=lambda pair: int(pair[0][0]))
+        return ids, items | {
+            "media_parts": string_tensor(json.dumps([part for _, part in placed])),
+            "media_positions": np.concatenate([span for span, _ in placed]).astype(np.int32),
+        }
+
+    def _processor_media(self, item: dict):
+        """An image (RGB `PIL.Image`) or clip (float32 samples at the processor's rate) for the processor.
+
+        Raises:
+            ValueError: what the media decoders raise (`omni_backend.stages.media`).
+        """
+        from omni_backend.stages import media as decoding
+
+        label = f"{item['field']} ({item['part'].get('type')})"
+        if item["kind"] == "image":
+            return decoding.open_image(self._image_bytes(item, label), label, self.media.limits,
+                                       draft_size=decoding.LARGE_IMAGE_DRAFT)
+        samples = decoding.decode_audio(self._audio_data(item, label), label, self.media.limits)
+        return decoding.resample(samples, decoding.SAMPLE_RATE, self.media.prompt.sampling_rate)
 
     def _image_bytes(self, item: dict, label: str) -> bytes:
         """The encoded image of an image_url part.

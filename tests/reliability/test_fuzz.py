@@ -34,6 +34,8 @@ from front_door import MODEL
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from omni_backend.setup.tiny_multimodal import IMAGE_TOKENS
+
 pytestmark = [
     pytest.mark.usefixtures("followed_by_a_normal_request"),
     # numpy only warns when it wraps an out-of-range integer into a tensor's type (the front door runs in this
@@ -185,13 +187,14 @@ CHAT = bodies(
      "audio": field(st.none(), st.fixed_dictionaries({"voice": st.sampled_from(["alloy", ""]),
                                                       "format": st.sampled_from(["wav", "pcm16", "ogg"])}))},
     keep=("max_tokens",))  # without it a chat request generates up to the whole context
-TOKEN_IDS = st.lists(st.integers(0, 49151), min_size=1, max_size=6)  # SmolLM2's vocabulary
+VOCAB = 49152 + len(IMAGE_TOKENS)  # the default model's tokenizer: SmolLM2's and SmolVLM's added image tokens
+TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)
 COMPLETION = bodies(
     {"model": MODEL_FIELD,
      "max_tokens": field(st.integers(0, 4), st.integers(max_value=-1), st.integers(min_value=2**31), limit=4),
      "prompt": field(st.one_of(text(1, 40), st.lists(text(1, 10), min_size=1, max_size=2), TOKEN_IDS,
                                st.lists(TOKEN_IDS, min_size=1, max_size=2)),
-                     st.sampled_from(["", [], [[]], [""]]), st.lists(st.integers(49152, 2**40), min_size=1, max_size=2),
+                     st.sampled_from(["", [], [[]], [""]]), st.lists(st.integers(VOCAB, 2**40), min_size=1, max_size=2),
                      st.lists(st.integers(max_value=-1), min_size=1, max_size=2))},
     {**SAMPLING, "echo": field(nullable(st.booleans()), WRONG_TYPES),
      "logprobs": field(nullable(st.integers(0, 5)), st.integers(6, 10**6), st.integers(max_value=-1)),

@@ -102,6 +102,9 @@ class Idefics3Encoder(nn.Module):
         pixel_mask = (pixel_values != 0).any(dim=1)  # [B, S, S]
         p = self.patch_size
         patch_mask = pixel_mask.unfold(1, p, p).unfold(2, p, p).sum(dim=(-1, -2)) > 0
+        # An all-zero crop (transformers drops such "padding images" before the tower) attends to every patch
+        # here instead of to none, so it gives finite embeddings; the processor never makes one for an image.
+        patch_mask |= ~patch_mask.flatten(1).any(dim=1)[:, None, None]
         hidden = self.vision_model(pixel_values=pixel_values, patch_attention_mask=patch_mask).last_hidden_state
         return self.connector(hidden)
 

@@ -223,15 +223,22 @@ def _run(path: str, enable: bool, backend: str, max_tokens: int, **limits) -> tu
     return [o.token_ids for o in outputs], [o.cached_tokens for o in outputs], engine
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-@pytest.mark.parametrize("limits", [
-    {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_tokens": 12},
-    {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 40, "max_tokens": 12},  # chunked prefill
-    {"num_kv_blocks": 20, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_tokens": 40},  # preemption
-], ids=["whole", "chunked", "preempting"])
-def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(smollm2_path, backend, limits):
-    on_tokens, on_cached, on = _run(smollm2_path, True, backend, **limits)
-    off_tokens, off_cached, off = _run(smollm2_path, False, backend, **limits)
+WHOLE = {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "max_tokens": 12}
+CHUNKED = {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 40, "max_tokens": 12}
+PREEMPTING = {"num_kv_blocks": 20, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_tokens": 40}
+
+
+# Every schedule on both CPU backends with the tiny random Qwen2 (GQA, QKV bias: a few ms per step), and the
+# hardest one on SmolLM2 itself, the model users get.
+@pytest.mark.parametrize("model, backend, limits", [
+    *[("tiny_qwen2_path", backend, limits) for backend in ("cpu", "torch") for limits in (WHOLE, CHUNKED, PREEMPTING)],
+    ("smollm2_path", "cpu", PREEMPTING),
+], ids=[*[f"tiny-qwen2-{b}-{n}" for b in ("cpu", "torch") for n in ("whole", "chunked", "preempting")],
+        "smollm2-cpu-preempting"])
+def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(request, model, backend, limits):
+    path = request.getfixturevalue(model)
+    on_tokens, on_cached, on = _run(path, True, backend, **limits)
+    off_tokens, off_cached, off = _run(path, False, backend, **limits)
     assert on_tokens == off_tokens
     assert off_cached == [0] * 10 and off.runner.block_manager.prefix_cache_hits == 0
     manager = on.runner.block_manager

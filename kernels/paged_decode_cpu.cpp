@@ -8,18 +8,16 @@
 // read per block, no division per token). Items are spread over the OpenMP threads of the process (the .so
 // links libgomp by soname, so it joins the runtime torch already loaded).
 //
-// Two paths: with AVX-512 (compiled with -march=native on a CPU that has it), head_dim 64 or 128 and groups of
-// 1 to 8, an intrinsics path keeps the group's queries and accumulators in registers and converts each K/V row
-// to fp32 once for the whole group; everything else runs a portable loop that the compiler vectorises.
-// Measured on the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380, one layer, K/V not in cache)
-// with the blocks in allocation order, as in a fresh engine: portable loop 630 us, AVX-512 path 410-500 us,
-// torch's gather + SDPA 1,000-1,400 us. With the blocks scattered at random (a long-running engine;
+// Two paths: for head_dim 64 or 128 and groups of 1 to 8, a SIMD path (cpu_simd.h's vectors: AVX-512, AVX2 or
+// 16-byte, by what -march=native enables) keeps the group's queries and accumulators in registers and converts
+// each K/V row to fp32 once for the whole group; everything else runs a portable loop that the compiler
+// vectorises. Measured on the engine's decode step (SmolLM2 bf16, batch 32, contexts 150-380, one layer, K/V not
+// in cache) with the blocks in allocation order, as in a fresh engine: portable loop 630 us, AVX-512 path 410-500
+// us, torch's gather + SDPA 1,000-1,400 us. With the blocks scattered at random (a long-running engine;
 // scripts/bench_cpu_decode.py): AVX-512 path 690-720 us against 1,280-1,370 us; prefetching the next block's
 // rows (its address is in the block table, where no hardware prefetcher looks) took 4-6 % off there.
 //
-// exp: Cephes-style expf (S. L. Moshier, Cephes Math Library, expf.c): x = n*ln2 + r with |r| <= ln2/2,
-// exp(r) by a degree-6 polynomial (Cephes' coefficients), 2^n by building the float's exponent field; written
-// with plain arithmetic so the compiler vectorises it. Relative error about 2e-7 on the range used (x <= 0).
+// exp: exp_nonpositive from cpu_math.h.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -31,6 +29,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "cpu_math.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -96,23 +97,6 @@ inline void store(float x, fp16* out) {  // round to nearest even
 #endif
 }
 
-inline float exp_nonpositive(float x) {  // exp(x) for x <= 0; 0 below -87 (float underflow)
-  const float clamped = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 // Replaces s[0..len) by exp(s - max(s)) and returns their sum (len >= 1).
 inline float softmax_numerators(float* s, int64_t len) {
   float top = s[0];
@@ -121,7 +105,7 @@ inline float softmax_numerators(float* s, int64_t len) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    s[t] = exp_nonpositive(s[t] - top);
+    s[t] = omni::exp_nonpositive(s[t] - top);
     sum += s[t];
   }
   return sum;
@@ -183,56 +167,84 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
-#ifdef __AVX512F__
-// AVX-512 path, same contract as `attend` with head_dim = HEAD_DIM (a multiple of 16: C vectors) and GROUP
-// query heads per KV head: a token's K (then V) row is converted to fp32 once for the whole group, the group's
-// query vectors and P @ V accumulators stay in registers, and a score costs C fused multiply-adds and one
-// horizontal sum.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load16(const fp16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+// SIMD path, same contract as `attend` with head_dim = HEAD_DIM (a multiple of VEC: C vectors) and GROUP query
+// heads per KV head: a token's K (then V) row is converted to fp32 once for the whole group, the group's query
+// vectors and P @ V accumulators stay in registers (AVX2's 16 spill some to L1), and a score costs C fused
+// multiply-adds (in two chains) and one horizontal sum. VEC floats per vector: 16 with AVX-512, 8 with AVX2, else 4 (SSE, NEON).
+using omni::hsum;
+using omni::load_vec;
+using omni::splat;
+using omni::vf;
+using omni::VEC;
 
+#if defined(__AVX512F__)
+inline vf load_vec(const bf16* p) {
+  return reinterpret_cast<vf>(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline vf load_vec(const fp16* p) {
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+#elif defined(__AVX2__)
+inline vf load_vec(const bf16* p) {
+  return reinterpret_cast<vf>(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+#if !defined(__AVX512F__) && !defined(__AVX2__)
+inline vf load_vec(const bf16* p) {
+  vf v;
+  for (int i = 0; i < VEC; ++i) v[i] = load(p[i]);
+  return v;
+}
+#endif
+#if !defined(__AVX512F__)
+inline vf load_vec(const fp16* p) {
+#if defined(__F16C__) && defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf v;
+  for (int i = 0; i < VEC; ++i) v[i] = load(p[i]);
+  return v;
+#endif
+}
+#endif
 template <typename T, int HEAD_DIM, int GROUP>
-void attend_avx512(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
-                   int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h, float* scores,
-                   T* out, int64_t out_head_stride) {
-  constexpr int C = HEAD_DIM / 16;
-  __m512 qv[GROUP][C];
+void attend_simd(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+                 int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h, float* scores,
+                 T* out, int64_t out_head_stride) {
+  constexpr int C = HEAD_DIM / VEC;
+  vf qv[GROUP][C];
   for (int g = 0; g < GROUP; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * HEAD_DIM + 16 * c);
+    for (int c = 0; c < C; ++c) qv[g][c] = load_vec(q + g * HEAD_DIM + VEC * c);
   for_each_token(k_cache, table, len, block_size, k_stride, h, HEAD_DIM, [&](int64_t t, const T* k) {
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
-    for (int g = 0; g < GROUP; ++g) {
-      __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-      scores[g * len + t] = _mm512_reduce_add_ps(s);
+    vf kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load_vec(k + VEC * c);
+    for (int g = 0; g < GROUP; ++g) {  // two chains (even and odd c): shorter rounding chains, more ILP
+      vf even = qv[g][0] * kv[0], odd = vf{};
+      for (int c = 1; c < C; ++c) (c % 2 ? odd : even) += qv[g][c] * kv[c];
+      scores[g * len + t] = hsum(even + odd);
     }
   });
   float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) inv_sum[g] = 1.0f / softmax_numerators(scores + g * len, len);
-  __m512 acc[GROUP][C];
-  for (int g = 0; g < GROUP; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  vf acc[GROUP][C] = {};
   for_each_token(v_cache, table, len, block_size, v_stride, h, HEAD_DIM, [&](int64_t t, const T* v) {
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+    vf vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_vec(v + VEC * c);
     for (int g = 0; g < GROUP; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      const vf p = splat(scores[g * len + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
     }
   });
   for (int g = 0; g < GROUP; ++g) {
     alignas(64) float row[HEAD_DIM];
-    const __m512 norm = _mm512_set1_ps(inv_sum[g]);
-    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], norm));
+    for (int c = 0; c < C; ++c) omni::store_vec(row + VEC * c, acc[g][c] * inv_sum[g]);
     for (int d = 0; d < HEAD_DIM; ++d) store(row[d], out + g * out_head_stride + d);
   }
 }
 
-// Runs attend_avx512<T, HEAD_DIM, group> for group 1..8; false (nothing run) for other groups.
+// Runs attend_simd<T, HEAD_DIM, group> for group 1..8; false (nothing run) for other groups.
 template <typename T, int HEAD_DIM, int GROUP = 1>
 bool dispatch_group(int64_t group, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
                     int64_t len, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
@@ -241,15 +253,14 @@ bool dispatch_group(int64_t group, const float* q, const T* k_cache, const T* v_
     return false;
   } else {
     if (group == GROUP) {
-      attend_avx512<T, HEAD_DIM, GROUP>(q, k_cache, v_cache, table, len, block_size, k_stride, v_stride, h, scores,
-                                        out, out_head_stride);
+      attend_simd<T, HEAD_DIM, GROUP>(q, k_cache, v_cache, table, len, block_size, k_stride, v_stride, h, scores,
+                                      out, out_head_stride);
       return true;
     }
     return dispatch_group<T, HEAD_DIM, GROUP + 1>(group, q, k_cache, v_cache, table, len, block_size, k_stride,
                                                   v_stride, h, scores, out, out_head_stride);
   }
 }
-#endif
 
 // Returns -1, or the first row (in the order the threads met them) whose context length needs more than
 // `max_blocks` blocks or whose block table names a block outside [0, num_blocks): such rows are left as zeros.
@@ -295,14 +306,12 @@ int64_t decode(const T* query, const T* k_cache, const T* v_cache, const int32_t
           for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = load(src[d]) * scale;
         }
         T* out_h = out_b + h * group * out_stride[1];
-#ifdef __AVX512F__
         if (head_dim == 64 && dispatch_group<T, 64>(group, q.data(), k_cache, v_cache, table, len, block_size,
                                                     k_stride, v_stride, h, scores.data(), out_h, out_stride[1]))
           continue;
         if (head_dim == 128 && dispatch_group<T, 128>(group, q.data(), k_cache, v_cache, table, len, block_size,
                                                       k_stride, v_stride, h, scores.data(), out_h, out_stride[1]))
           continue;
-#endif
         attend(q.data(), k_cache, v_cache, table, len, group, head_dim, block_size, k_stride, v_stride, h,
                scores.data(), acc.data(), out_h, out_stride[1]);
       }

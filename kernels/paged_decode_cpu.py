@@ -14,11 +14,8 @@ output ``[B, Hq, D]`` in the query dtype; rows with ``context_lens == 0`` are ze
 Precision: scores, softmax and the ``P @ V`` accumulation in fp32, the result rounded once to the cache dtype
 (at least as precise as the Triton kernel, which rounds P to the input dtype).
 
-Build: ``g++ -O3 -march=native -fopenmp`` (``$CXX`` overrides the compiler; GCC 11 and later, or clang) into
-``<build_dir>/paged_decode_cpu-<hash>.so``, where the hash covers the source, the compiler's version and the
-CPU's feature list (x86 ``flags``, Arm ``Features``), so a cache folder shared between machines never loads code
-built for another CPU. The build writes a temporary file and renames it, so concurrent first uses (several
-Triton stubs) are safe. The AVX-512 path needs an x86 CPU with AVX-512; elsewhere the portable loop runs. The
+Build: ``g++ -O3 -march=native -fopenmp`` into ``<build_dir>/paged_decode_cpu-<hash>.so`` on first use
+(``kernels/cpu_library.py``: the hash, ``$CXX``, concurrent first uses). The AVX-512 path needs an x86 CPU with AVX-512; elsewhere the portable loop runs. The
 library links libgomp by soname: with torch's own ``libgomp.so.1`` already loaded (torch 2.13's CPU wheel) it
 joins that runtime and its thread count.
 """
@@ -26,78 +23,22 @@ joins that runtime and its thread count.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_library import CpuKernelUnavailable, load_functions
 from kernels.paged_decode import _check
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
-_COMPILE_TIMEOUT_S = 300
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
+          "-shared", "-fPIC", "-std=c++17"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
              _PTR, ctypes.c_float]
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ kernel cannot be built or loaded here (no compiler, a failed or timed-out compile, an unwritable
-    build folder, a library that does not load); the message says why."""
-
-
-def _cpu_features() -> str:
-    """The CPU's feature list from /proc/cpuinfo (x86 "flags", Arm "Features"), "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _build(build_dir: Path) -> Path:
-    """Compile SOURCE into build_dir unless a library for this source, compiler, flags and CPU is there already.
-
-    Raises:
-        CpuKernelUnavailable: as the class says.
-    """
-    name = os.environ.get("CXX", "g++")
-    compiler = shutil.which(name)
-    if compiler is None:
-        raise CpuKernelUnavailable(f"no C++ compiler ({name}) on PATH")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
-                                 timeout=60).stdout
-        source = SOURCE.read_bytes()
-        digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
-                                            _cpu_features().encode()])).hexdigest()[:16]
-        path = build_dir / f"paged_decode_cpu-{digest}.so"
-        if path.exists():
-            return path
-        build_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                  timeout=_COMPILE_TIMEOUT_S)
-            if done.returncode != 0:
-                raise CpuKernelUnavailable(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it 0600: let other users of a shared cache load it
-            os.replace(tmp, path)
-            return path
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise CpuKernelUnavailable(f"building {SOURCE.name} with {compiler} failed: {exc}") from exc
 
 
 class CpuPagedDecode:
@@ -107,19 +48,13 @@ class CpuPagedDecode:
         build_dir: folder for the compiled library (created if missing).
 
     Raises:
-        CpuKernelUnavailable: as the class says.
+        kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
     """
 
     def __init__(self, build_dir: str | os.PathLike):
-        self.path = _build(Path(build_dir))
-        try:
-            library = ctypes.CDLL(str(self.path))
-            self._functions = {dtype: getattr(library, symbol) for dtype, symbol in _SYMBOLS.items()}
-        except (OSError, AttributeError) as exc:
-            raise CpuKernelUnavailable(f"loading {self.path} failed: {exc}") from exc
-        for function in self._functions.values():
-            function.argtypes = _ARGTYPES
-            function.restype = ctypes.c_int64
+        signatures = {symbol: (_ARGTYPES, ctypes.c_int64) for symbol in _SYMBOLS.values()}
+        self.path, functions = load_functions(SOURCE, Path(build_dir), _FLAGS, signatures)
+        self._functions = {dtype: functions[symbol] for dtype, symbol in _SYMBOLS.items()}
 
     def __call__(
         self,

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from kernels.paged_decode_cpu import CpuKernelUnavailable
+from kernels.cpu_library import CpuKernelUnavailable
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams

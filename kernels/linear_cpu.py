@@ -1,0 +1,146 @@
+"""Linear layers for CPUs: a C++ kernel (``linear_cpu.cpp``) for ``y = x @ W.T (+ bias) (+ y)`` with W packed
+once into column panels, in float32 or as weight-only int8 (one float32 scale per output channel), built on first
+use (``kernels/cpu_library.py``) and called through ctypes.
+
+Why: the CPU engine's decode steps multiply at most max_num_seqs rows (1-32) by each weight. oneDNN's packed
+float32 path and MKL reach a fraction of one core's FMA rate there, and a batch-1 step is bound by reading the
+weights (540 MB in float32 for SmolLM2-135M); int8 panels read a quarter of that. Measured in docs/benchmarks.md
+("CPU matmuls"); the kernel's scheme is in the .cpp.
+
+Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
+``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With
+``accumulate`` the product is added to ``out``'s values (a fused residual add). Each output is one fp32 sum in k
+order (int8: of ``x * q``, times the channel's scale), then the bias. Threads: the work is split over the calling
+thread's OpenMP team (torch's), with the GIL released.
+
+int8 quantisation (``pack(weight, "int8")``): symmetric, per output channel: ``s[n] = max_k |W[n, k]| / 127``,
+``q = round(W / s)`` (round half to even) in [-127, 127]. ``dequantize`` gives the float32 weight the int8 panels
+stand for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_library import check_float32_rows, load_functions
+
+SOURCE = Path(__file__).with_name("linear_cpu.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
+          "-shared", "-fPIC", "-std=c++17"]
+WEIGHT_FORMATS = ("float32", "int8")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_SIGNATURES = {
+    "linear_panel_width": ([], _I64),
+    "linear_pack_f32": ([_PTR, _I64, _I64, _I64, _PTR], None),
+    "linear_pack_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
+    "linear_f32": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
+    "linear_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
+}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A ``[out_features, in_features]`` weight in the kernel's layout.
+
+    Attributes:
+        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 or int8 (NR: the kernel's panel width), the
+            last panel zero-padded.
+        scales: ``[out_features]`` float32 per-channel scales of int8 panels; None for float32.
+    """
+
+    panels: torch.Tensor
+    scales: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @property
+    def format(self) -> str:
+        return "int8" if self.panels.dtype == torch.int8 else "float32"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight (panels and scales)."""
+        scales = 0 if self.scales is None else self.scales.numel() * 4
+        return self.panels.numel() * self.panels.element_size() + scales
+
+
+class CpuLinearKernels:
+    """The built kernel library.
+
+    Args:
+        build_dir: folder for the compiled library (created if missing).
+
+    Raises:
+        kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
+    """
+
+    def __init__(self, build_dir: str | os.PathLike):
+        self.path, self._fn = load_functions(SOURCE, Path(build_dir), _FLAGS, _SIGNATURES)
+        self.panel_width = int(self._fn["linear_panel_width"]())
+
+    def pack(self, weight: torch.Tensor, weight_format: str) -> PackedWeight:
+        """Pack a float32 ``[N, K]`` CPU weight as "float32" or "int8" panels (see the module docstring).
+
+        Raises:
+            ValueError: an unknown format, or a weight that is not a float32 CPU matrix with unit stride in K.
+        """
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+        check_float32_rows("weight", weight)
+        n, k = weight.shape
+        shape = (-(-n // self.panel_width), k, self.panel_width)
+        if weight_format == "float32":
+            panels = torch.empty(shape, dtype=torch.float32)
+            self._fn["linear_pack_f32"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr())
+            return PackedWeight(panels, None, n, k)
+        panels = torch.empty(shape, dtype=torch.int8)
+        scales = torch.empty(n, dtype=torch.float32)
+        self._fn["linear_pack_i8"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
+        return PackedWeight(panels, scales, n, k)
+
+    def dequantize(self, packed: PackedWeight) -> torch.Tensor:
+        """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s``)."""
+        weight = packed.panels.permute(0, 2, 1).reshape(-1, packed.in_features)[: packed.out_features].float()
+        return weight if packed.scales is None else weight * packed.scales[:, None]
+
+    def linear(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """``out (+)= x @ W.T + bias``; returns out ``[M, N]`` float32 (see the module docstring).
+
+        Raises:
+            ValueError: shapes, dtypes, devices or strides outside the contract, or accumulate without out.
+        """
+        check_float32_rows("x", x)
+        m, k = x.shape
+        n = packed.out_features
+        if k != packed.in_features:
+            raise ValueError(f"x has {k} features, the weight takes {packed.in_features}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous float32 CPU tensor of shape ({n},)")
+        if out is None:
+            if accumulate:
+                raise ValueError("accumulate needs out (the values to add to)")
+            out = torch.empty((m, n), dtype=torch.float32)
+        else:
+            check_float32_rows("out", out)
+            if out.shape != (m, n):
+                raise ValueError(f"out must have shape ({m}, {n}), got {tuple(out.shape)}")
+        if m == 0:
+            return out
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if packed.scales is None:
+            self._fn["linear_f32"](x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(), n, bias_ptr,
+                                   out.data_ptr(), out.stride(0), int(accumulate))
+        else:
+            self._fn["linear_i8"](x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(),
+                                  packed.scales.data_ptr(), n, bias_ptr, out.data_ptr(), out.stride(0),
+                                  int(accumulate))
+        return out
+

@@ -1,0 +1,122 @@
+"""The C++ CPU linear kernel (float32 and weight-only int8 panels) against float64 matrix products, with the
+rounding-error bound of a float32 sum of K products (Higham, "Accuracy and Stability of Numerical Algorithms",
+2nd ed., section 3.1: |error| <= gamma_K * sum_k |x_k w_k|, gamma_K = K u / (1 - K u), u = 2^-24)."""
+
+import os
+import platform
+import shutil
+
+import pytest
+import torch
+
+from kernels import linear_cpu
+from kernels.cpu_library import CpuKernelUnavailable
+from kernels.linear_cpu import CpuLinearKernels
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+
+X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+UNIT_ROUNDOFF = 2.0 ** -24
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request, tmp_path_factory):
+    """The kernel as the engine builds it and (x86) built without AVX2/AVX-512: the generic vector code that CPUs
+    without them (and Arm) run."""
+    if request.param == "portable":
+        if not X86:
+            pytest.skip("the portable build is what non-x86 machines run already")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(linear_cpu, "_FLAGS", linear_cpu._FLAGS + ["-mno-avx2", "-mno-avx512f"])
+            return CpuLinearKernels(tmp_path_factory.mktemp("linear_portable"))
+    return CpuLinearKernels(tmp_path_factory.mktemp("linear"))
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, extra_roundings: int = 0) -> torch.Tensor:
+    """Per-output bound on the float32 error of x @ w.T (+ a few more roundings: bias, scale, accumulate)."""
+    k = x.shape[1] + extra_roundings
+    gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
+    return gamma * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    error = (got.double() - want).abs()
+    assert bool((error <= bound).all()), f"max error {error.max():.3e}, worst error/bound {(error / bound).max():.3f}"
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 12, 13, 32, 33, 100])
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 7), (48, 64), (100, 576)])
+def test_float32_panels_match_float64(kernels, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, bias = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = kernels.pack(w, "float32")
+    assert packed.panels.shape == (-(-n // kernels.panel_width), k, kernels.panel_width)
+    assert torch.equal(kernels.dequantize(packed), w)
+    _assert_within(kernels.linear(x, packed), x.double() @ w.double().T, _bound(x, w))
+    _assert_within(kernels.linear(x, packed, bias), x.double() @ w.double().T + bias.double(),
+                   _bound(x, w, 1) + bias.double().abs() * UNIT_ROUNDOFF)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 7, 13, 32])
+@pytest.mark.parametrize("n,k", [(5, 3), (40, 64), (100, 576)])
+def test_int8_panels_quantize_per_channel_and_match_float64(kernels, m, n, k):
+    gen = torch.Generator().manual_seed(7 * m + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]  # channels of very different ranges
+    w[n // 2] = 0.0  # a channel of zeros: scale 0, outputs 0
+    packed = kernels.pack(w, "int8")
+    assert packed.panels.dtype == torch.int8 and packed.scales.shape == (n,)
+    scales = w.abs().amax(1) / 127
+    assert torch.equal(packed.scales, scales)
+    q = kernels.dequantize(packed)
+    # round to nearest: |W - q s| <= s / 2, plus the rounding of W / s (at most 127 u, in units of s) and of q s
+    assert bool(((q - w).abs() <= scales[:, None] * (0.5 + 1e-5)).all())
+    codes = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
+    assert codes.abs().max() <= 127 and torch.equal(codes[n // 2], torch.zeros(k))
+    # the kernel sums x * q in float32 and scales once: bound the sum of q products, then the scale's rounding
+    want = (x.double() @ codes.double().T) * scales.double()
+    _assert_within(kernels.linear(x, packed), want, _bound(x, codes, 1) * scales.double())
+
+
+def test_bias_accumulate_and_strided_rows(kernels):
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 9, 35, 40
+    wide = torch.randn(m, k + 8, generator=gen)
+    x = wide[:, 4 : 4 + k]  # rows of stride k + 8
+    w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    for fmt in ("float32", "int8"):
+        packed = kernels.pack(w, fmt)
+        ref = x.double() @ kernels.dequantize(packed).double().T + bias.double()
+        out_wide = torch.randn(m, n + 3, generator=gen)
+        out = out_wide[:, :n]
+        before = out.clone()
+        kernels.linear(x, packed, bias, out=out, accumulate=True)
+        _assert_within(out, ref + before.double(), _bound(x, kernels.dequantize(packed), 3) + before.double().abs()
+                       * 2 * UNIT_ROUNDOFF + 1e-6)
+        assert torch.equal(out_wide[:, n:], out_wide[:, n:].clone()), "columns beyond N untouched"
+        assert kernels.linear(x[:0], packed).shape == (0, n)
+
+
+def test_contract_violations_raise(kernels):
+    w = torch.randn(8, 4)
+    packed = kernels.pack(w, "float32")
+    with pytest.raises(ValueError, match="weight format"):
+        kernels.pack(w, "int4")
+    with pytest.raises(ValueError, match="weight must be a 2-D float32"):
+        kernels.pack(w.double(), "float32")
+    with pytest.raises(ValueError, match="x has 5 features"):
+        kernels.linear(torch.randn(2, 5), packed)
+    with pytest.raises(ValueError, match="x must be a 2-D float32"):
+        kernels.linear(torch.randn(4, 2).T, packed)  # stride 2 along K
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.linear(torch.randn(2, 4), packed, bias=torch.randn(7))
+    with pytest.raises(ValueError, match="out must have shape"):
+        kernels.linear(torch.randn(2, 4), packed, out=torch.empty(3, 8))
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        kernels.linear(torch.randn(2, 4), packed, accumulate=True)
+
+
+def test_build_failures_say_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(CpuKernelUnavailable, match="no C\\+\\+ compiler"):
+        CpuLinearKernels(tmp_path)

@@ -1,0 +1,88 @@
+"""The C++ float32 elementwise ops of the CPU engine against the torch code they replace: RoPE + the K/V cache
+write bit for bit, RMSNorm and SiLU * up within a few float32 roundings."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from kernels.cpu_ops import CpuOps
+from kernels.store_kv import store_kv_reference
+from omni_backend.engine.models.llama import RMSNorm
+from omni_backend.engine.models.rope import apply_rope, cos_sin_cache
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    return CpuOps(tmp_path_factory.mktemp("cpu_ops"))
+
+
+@pytest.mark.parametrize("m,h", [(1, 576), (7, 64), (33, 100)])
+def test_rms_norm_matches_the_torch_module(ops, m, h):
+    gen = torch.Generator().manual_seed(m + h)
+    wide = torch.randn(m, h + 5, generator=gen) * 3
+    x = wide[:, 2 : 2 + h]  # strided rows
+    norm = RMSNorm(h, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h, generator=gen))
+        want = norm(x)
+    got = ops.rms_norm(x, norm.weight.detach(), 1e-5)
+    # the two differ in the order of the sum of squares: a relative error of a few units of 2^-24 in the scale
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (2, 1, 128)])
+def test_rope_and_cache_write_equal_the_torch_path_bit_for_bit(ops, num_q_heads, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, num_blocks, block_size = 11, 6, 4
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 3, generator=gen)[:, :width]  # rows of stride width + 3
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[3] = -1  # padding: rotated, not stored
+    cos, sin = cos_sin_cache(head_dim, 512, {"rope_type": "default", "rope_theta": 10000.0})
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+
+    heads = qkv.reshape(tokens, -1, head_dim)
+    want_qk = apply_rope(heads[:, : num_q_heads + num_kv_heads], cos[positions], sin[positions])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    store_kv_reference(want_qk[:, num_q_heads:], heads[:, num_q_heads + num_kv_heads :], want_k, want_v, slots)
+
+    ops.rope_store_kv(qkv, num_q_heads, num_kv_heads, positions, cos, sin, slots, k_cache, v_cache)
+    got = qkv.reshape(tokens, -1, head_dim)
+    assert torch.equal(got[:, : num_q_heads + num_kv_heads], want_qk)
+    assert torch.equal(got[:, num_q_heads + num_kv_heads :], heads[:, num_q_heads + num_kv_heads :])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_rope_store_kv_refuses_positions_and_slots_out_of_range(ops):
+    qkv = torch.randn(3, 3 * 8)
+    cos, sin = torch.ones(16, 8), torch.zeros(16, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    for positions, slots, bad in (([0, 16, 1], [0, 1, 2], 1), ([0, 1, 2], [0, 8, 2], 1), ([-1, 0, 0], [0, 1, 2], 0)):
+        before = qkv.clone()
+        with pytest.raises(ValueError, match=f"row {bad}: position"):
+            ops.rope_store_kv(qkv, 1, 1, torch.tensor(positions), cos, sin, torch.tensor(slots), cache, cache.clone())
+        assert torch.equal(qkv[bad], before[bad]), "the refused row is left as it was"
+    with pytest.raises(ValueError, match="does not hold"):
+        ops.rope_store_kv(torch.randn(3, 20), 1, 1, torch.zeros(3, dtype=torch.int64), cos, sin,
+                          torch.zeros(3, dtype=torch.int64), cache, cache.clone())
+    with pytest.raises(ValueError, match="positions must be"):
+        ops.rope_store_kv(qkv, 1, 1, torch.zeros(3, dtype=torch.int32), cos, sin,
+                          torch.zeros(3, dtype=torch.int64), cache, cache.clone())
+
+
+def test_silu_mul_matches_torch_over_the_whole_range(ops):
+    gen = torch.Generator().manual_seed(5)
+    gate = torch.cat([torch.randn(4, 100, generator=gen) * 4, torch.linspace(-120, 120, 400).view(4, 100)], dim=1)
+    up = torch.randn(4, 200, generator=gen)
+    got = ops.silu_mul(torch.cat([gate, up], dim=1))
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="even width"):
+        ops.silu_mul(torch.randn(2, 5))

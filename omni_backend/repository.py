@@ -25,6 +25,8 @@ Settings (placeholder name, environment variable, default):
     enable_prefix_caching OMNI_ENABLE_PREFIX_CACHING true (false: every request prefills its whole prompt)
     cpu_threads        OMNI_CPU_THREADS        0: a CPU llm engine's torch threads are the usable cores - 1 (at
                                                least 1), a core left for tritonserver and the front door
+    quantization       OMNI_QUANTIZATION       none; int8: weight-only int8 projections and output head, one
+                                               float32 scale per output channel (CPU engines, float32)
     gpu_memory_utilization OMNI_GPU_MEMORY_UTILIZATION 0.75 of each GPU for its llm engine (weights,
                                                activations, CUDA graphs, KV cache)
     encoder_gpu_memory_fraction OMNI_ENCODER_GPU_MEMORY_FRACTION 0.04 of the GPU for each media encoder
@@ -81,6 +83,7 @@ class Settings:
         enforce_eager: never capture CUDA graphs.
         enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (engine/prefix_cache.py).
         cpu_threads: torch threads of a CPU llm engine (0: usable cores - 1, at least 1).
+        quantization: "none" or "int8" (weight-only, per output channel; CPU engines computing in float32).
         gpu_memory_utilization: share of each GPU's memory its llm engine may use, in (0, 1].
         encoder_gpu_memory_fraction, diffusion_gpu_memory_fraction: the other GPU stages' shares, in (0, 1].
         diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
@@ -99,6 +102,7 @@ class Settings:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     cpu_threads: int = 0
+    quantization: str = "none"
     gpu_memory_utilization: float = 0.75
     encoder_gpu_memory_fraction: float = 0.04
     diffusion_gpu_memory_fraction: float = 0.08

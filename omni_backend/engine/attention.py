@@ -91,8 +91,16 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> output [T, Hq, D] (q's dtype)."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> output [T, Hq, D] (q's dtype): stores k/v at the step's slots, then
+        `attend`."""
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [T, Hq, D] (unit stride in D) over the paged cache, which already holds the step's own
+        K/V -> output [T, Hq, D] (q's dtype): causal over each prefill chunk's context, single-query for the
+        decode rows."""
         num_prefill = meta.num_prefill_tokens
         if num_prefill == q.shape[0]:
             return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class EngineConfig:
             (an offline engine). The llm stage turns its 0 into the usable cores minus one
             (`ops.hardware.cpu_engine_threads`). Ignored on a GPU.
         enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (engine/prefix_cache.py).
+        quantization: "none", or "int8": weight-only int8 projections and output head with one float32 scale per
+            output channel, activations in float32 (`kernels/linear_cpu.py`); CPU engines only, with dtype
+            "auto" (which then means float32) or "float32".
     """
 
     model_path: str
@@ -48,6 +52,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cpu_threads: int = 0
     enable_prefix_caching: bool = True
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -60,6 +65,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization {self.quantization} computes in float32; dtype {self.dtype} is not that")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs on CPU engines only (device {self.device})")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend}")

@@ -20,7 +20,9 @@ import torch
 from transformers import AutoConfig
 
 from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
-from kernels.paged_decode_cpu import CpuKernelUnavailable
+from kernels.cpu_library import CpuKernelUnavailable
+from kernels.cpu_ops import CpuOps
+from kernels.linear_cpu import CpuLinearKernels
 from omni_backend import checkpoints, paths
 from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention, self_test
@@ -30,6 +32,7 @@ from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_siz
 from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
 from omni_backend.engine.models.llama import LlamaForCausalLM
+from omni_backend.engine.models.llama_cpu import CpuLlamaForward
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
@@ -73,13 +76,18 @@ class ModelRunner:
 
     Attributes:
         attention_backend: "cpu", "torch" or "triton", what runs.
-        fallback_reason: why the backend is not the one chosen first ("" when it is).
+        matmuls: what runs the projections and the output head: "cpu-kernels-float32" / "cpu-kernels-int8" (the
+            C++ kernels of kernels/linear_cpu.py, with the float32 step of models/llama_cpu.py), "onednn-packed"
+            (CPU, bfloat16/float16), "torch" (GPUs, and CPUs where neither is available).
+        fallback_reason: why the attention backend or the matmuls are not the ones chosen first ("" when they
+            are; both reasons joined by "; ").
         graph_runner: the decode CUDA graphs, None when decode runs eagerly (CPU, enforce_eager, torch backend).
 
     Raises (constructor):
         ValueError: unsupported architecture, max_model_len beyond the model, or a KV budget without one block.
         RuntimeError: an explicitly requested attention backend fails its self-test.
-        kernels.paged_decode_cpu.CpuKernelUnavailable: "cpu" was requested explicitly and cannot be built.
+        kernels.cpu_library.CpuKernelUnavailable: the "cpu" attention backend was requested explicitly, or
+            quantization "int8", and the C++ kernels cannot be built here.
     """
 
     def __init__(self, config: EngineConfig):
@@ -92,7 +100,8 @@ class ModelRunner:
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
         hf_config = language_model_config(config.model_path)
         self.hf_config = hf_config
-        self.dtype = select_dtype(config.dtype, self.device.torch_device)
+        self.dtype = select_dtype("float32" if config.quantization != "none" else config.dtype,
+                                  self.device.torch_device)
         self.num_q_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -185,14 +194,44 @@ class ModelRunner:
         model = model.to(self.dtype).to_empty(device=self.device.torch_device)
         model.place_rope_cache(self.device.torch_device)
         model.load_weights(self.config.model_path)
+        self.matmuls = "torch"
         if not self.device.is_cuda:
-            if cpu_linear.packing_available(self.dtype):
-                model.pack_for_cpu(self.config.max_num_seqs)
-                logger.info("CPU matmuls: oneDNN weights packed for %d rows", self.config.max_num_seqs)
-            else:
-                logger.warning("CPU matmuls: oneDNN cannot pack %s weights with this torch on this CPU, they stay "
-                               "unpacked (slower decode steps)", self.dtype)
+            self._use_cpu_matmuls(model)
         return model.eval()
+
+    def _use_cpu_matmuls(self, model: LlamaForCausalLM) -> None:
+        """The CPU step's matmuls (`matmuls`): for float32 the C++ kernels with the fused step of models/llama_cpu.py
+        (int8 panels with quantization "int8"); where they cannot be built, a WARNING, the reason in
+        `fallback_reason`, and oneDNN's packed weights as for bfloat16/float16; unpacked torch weights where oneDNN
+        cannot pack the dtype either.
+
+        Raises:
+            CpuKernelUnavailable: quantization "int8" and the C++ kernels cannot be built.
+        """
+        quantization = self.config.quantization
+        if self.dtype == torch.float32:
+            build_dir = paths.cache_dir() / "kernels"
+            try:
+                forward = CpuLlamaForward(model, CpuLinearKernels(build_dir), CpuOps(build_dir),
+                                          "int8" if quantization == "int8" else "float32")
+            except CpuKernelUnavailable as exc:
+                if quantization != "none":
+                    raise
+                logger.warning("CPU matmuls: the C++ kernels cannot be built here, using oneDNN: %s", exc)
+                self.fallback_reason = "; ".join(filter(None, [self.fallback_reason, f"cpu matmul kernels: {exc}"]))
+            else:
+                model.use_cpu_kernels(forward)
+                self.matmuls = f"cpu-kernels-{forward.weight_format}"
+                logger.info("CPU matmuls: C++ kernels, %s weights (%.0f MiB packed)", forward.weight_format,
+                            forward.weight_bytes / 2**20)
+                return
+        if cpu_linear.packing_available(self.dtype):
+            model.pack_for_cpu(self.config.max_num_seqs)
+            self.matmuls = "onednn-packed"
+            logger.info("CPU matmuls: oneDNN weights packed for %d rows", self.config.max_num_seqs)
+        else:
+            logger.warning("CPU matmuls: oneDNN cannot pack %s weights with this torch on this CPU, they stay "
+                           "unpacked (slower decode steps)", self.dtype)
 
     def _graphs_wanted(self) -> bool:
         """Whether decode runs through CUDA graphs: on a GPU, with the triton backend, unless enforce_eager."""

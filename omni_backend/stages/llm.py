@@ -260,7 +260,7 @@ def engine_config_from_parameters(parameters: dict[str, str], device: str) -> En
             p.pop(key, None)
     if values.get("kv_cache_bytes") == 0:
         del values["kv_cache_bytes"]
-    for key in ("dtype", "attention_backend"):
+    for key in ("dtype", "attention_backend", "quantization"):
         if p.get(key):
             values[key] = p.pop(key)
     if p.get("gpu_memory_utilization"):
@@ -742,7 +742,8 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
         runner = engine.runner
         versions = runtime_versions()
         info = {key: versions[key] for key in ("torch", "cuda_runtime", "cuda_driver", "triton")}
-        info.update(attention_backend=runner.attention_backend, fallback_reason=runner.fallback_reason)
+        info.update(attention_backend=runner.attention_backend, matmuls=runner.matmuls,
+                    fallback_reason=runner.fallback_reason)
         metrics = LLMMetrics(pb_utils, model, version, runner.attention_backend, str(runner.device.torch_device),
                              info)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -44,6 +47,8 @@ def test_engine_greedy_equals_hf(model_fixture, request):
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    if shutil.which(os.environ.get("CXX", "g++")):
+        assert engine.runner.matmuls == "cpu-kernels-float32"  # the CPU default: the C++ step, no fallback
     ours = engine.generate(prompts, params)
     expected = _hf_greedy(model_path, prompts)
     for question, out, ref in zip(QUESTIONS, ours, expected):

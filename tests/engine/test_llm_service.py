@@ -143,8 +143,10 @@ def test_engine_config_from_triton_parameters(tiny_qwen2_path):
                                             device="cpu")
     assert default.kv_cache_bytes is None  # 0: the device's default (engine/memory.py)
     assert default.cpu_threads == 0  # 0: automatic (ops.hardware.cpu_engine_threads)
-    assert default.enable_prefix_caching
-    for bad in ({"block_size": "sixteen"}, {"cpu_threads": "-1"}):
+    assert default.enable_prefix_caching and default.quantization == "none"
+    assert engine_config_from_parameters({"model_path": "x", "quantization": "int8"}, device="cpu").quantization == "int8"
+    for bad in ({"block_size": "sixteen"}, {"cpu_threads": "-1"}, {"quantization": "int4"},
+                {"quantization": "int8", "dtype": "bfloat16"}):
         with pytest.raises(ValueError):
             engine_config_from_parameters({"model_path": "x", **bad}, device="cpu")
 

@@ -137,7 +137,7 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     import torch
     import triton
     info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="13.0",
-                attention_backend=backend)
+                attention_backend=backend, matmuls="cpu-kernels-float32" if cpu_kernel_buildable else "onednn-packed")
     if cpu_kernel_buildable:
         info["fallback_reason"] = ""
     assert value(after, "omni_runtime_info", **info) == 1

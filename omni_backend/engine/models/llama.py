@@ -19,6 +19,7 @@ from torch import nn
 from omni_backend import checkpoints
 from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention import AttentionMetadata, PagedAttention
+from omni_backend.engine.models.llama_cpu import CpuLlamaForward
 from omni_backend.engine.models.rope import apply_rope, cos_sin_cache, rope_parameters
 
 
@@ -82,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
         self.packed_lm_head: cpu_linear.PackedLinear | None = None  # see `pack_for_cpu`
+        self.cpu_forward: CpuLlamaForward | None = None  # see `use_cpu_kernels`
         # float32 tables, kept out of the parameters so dtype casts leave them alone; see `place_rope_cache`
         self.cos_cache, self.sin_cache = cos_sin_cache(self.layers[0].head_dim, max_positions,
                                                        rope_parameters(config))
@@ -93,6 +95,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
                 meta: AttentionMetadata, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cpu_forward is not None:
+            return self.cpu_forward(input_ids, positions, kv_caches, meta, input_embeds)
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         # RoPE runs in the activation dtype, as HF's LlamaRotaryEmbedding hands it cos/sin in x's dtype
         cos = self.cos_cache[positions].to(x.dtype)
@@ -113,8 +117,19 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = cpu_linear.PackedLinear(head, None, expected_rows)
         self.lm_head = None  # an untied head's plain weight is no longer read
 
+    def use_cpu_kernels(self, forward: CpuLlamaForward) -> None:
+        """Run `forward` (the float32 CPU step through the C++ kernels, built from this loaded model) in place of
+        the torch modules, and drop the projections' and an untied head's weights it has copied."""
+        self.cpu_forward = forward
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                delattr(layer, name)
+        self.lm_head = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] float32."""
+        if self.cpu_forward is not None:
+            return self.cpu_forward.compute_logits(hidden)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

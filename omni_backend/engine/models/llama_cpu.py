@@ -1,0 +1,116 @@
+"""The float32 forward pass of `LlamaForCausalLM` on the CPU through the C++ kernels of `kernels/`: the CPU
+engine's step.
+
+Per layer: RMSNorm (`kernels.cpu_ops`), the fused QKV projection (`kernels.linear_cpu`), RoPE on q/k fused with
+writing the step's K/V into the paged cache, paged attention (`PagedAttention.attend`: the C++ decode kernel, the
+torch prefill reference), the output projection added into the residual stream in place, RMSNorm, the fused
+gate/up projection, SiLU(gate) * up, and the down projection added into the residual stream: 9 calls where the
+torch modules take about 35 ops. The arithmetic is the torch modules' (`models/llama.py`): float32 throughout,
+each product one float32 sum; the weights are packed once, as float32 panels or, with quantization "int8", as int8
+panels with per-channel scales (weight-only: activations stay float32). Measured in docs/benchmarks.md ("CPU
+matmuls").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_ops import CpuOps
+from kernels.linear_cpu import CpuLinearKernels, PackedWeight
+from omni_backend.engine.attention import AttentionMetadata
+
+
+class _Layer:
+    """One decoder layer's packed weights and norms."""
+
+    def __init__(self, layer, linear: CpuLinearKernels, weight_format: str):
+        self.qkv = linear.pack(layer.qkv_proj.weight.detach(), weight_format)
+        self.qkv_bias = None if layer.qkv_proj.bias is None else layer.qkv_proj.bias.detach().contiguous()
+        self.o = linear.pack(layer.o_proj.weight.detach(), weight_format)
+        self.gate_up = linear.pack(layer.gate_up_proj.weight.detach(), weight_format)
+        self.down = linear.pack(layer.down_proj.weight.detach(), weight_format)
+        self.input_norm = layer.input_layernorm.weight.detach().contiguous()
+        self.input_eps = layer.input_layernorm.eps
+        self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
+        self.post_eps = layer.post_attention_layernorm.eps
+
+
+class CpuLlamaForward:
+    """`LlamaForCausalLM.forward` and `compute_logits` for float32 on the CPU (see the module docstring).
+
+    Built from a loaded float32 model on the CPU; takes copies of its weights in the kernels' layout, after which
+    the model drops its projections (`LlamaForCausalLM.use_cpu_kernels`).
+
+    Args:
+        model: the loaded `LlamaForCausalLM` (float32, CPU).
+        linear: the built linear kernels.
+        ops: the built elementwise ops.
+        weight_format: "float32" or "int8" (`kernels.linear_cpu.WEIGHT_FORMATS`), for every projection and the
+            output head; the input embedding table stays float32 (rows are looked up, not multiplied).
+
+    Raises:
+        ValueError: a model that is not float32 on the CPU, or an unknown weight format.
+    """
+
+    def __init__(self, model, linear: CpuLinearKernels, ops: CpuOps, weight_format: str):
+        if model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("the C++ CPU forward runs float32 models on the CPU, got "
+                             f"{model.embed_tokens.weight.dtype} on {model.embed_tokens.weight.device}")
+        self.linear, self.ops, self.weight_format = linear, ops, weight_format
+        first = model.layers[0]
+        self.num_heads, self.num_kv_heads, self.q_size = first.num_heads, first.num_kv_heads, first.q_size
+        self.kv_size = first.kv_size
+        self.attention = first.attention
+        self.embed_tokens = model.embed_tokens
+        self.cos, self.sin = model.cos_cache.contiguous(), model.sin_cache.contiguous()
+        self.layers = [_Layer(layer, linear, weight_format) for layer in model.layers]
+        self.norm, self.norm_eps = model.norm.weight.detach().contiguous(), model.norm.eps
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.head: PackedWeight = linear.pack(head.detach(), weight_format)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the packed projections and head."""
+        packed = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(w.nbytes for w in packed) + self.head.nbytes
+
+    def dequantized_weights(self) -> dict[str, torch.Tensor]:
+        """The float32 weights the packed projections and head multiply by (int8: q * s), split into transformers'
+        LlamaForCausalLM / Qwen2ForCausalLM names (``model.layers.{i}.self_attn.q_proj.weight``, ...,
+        ``lm_head.weight``): loaded into transformers' model (strict=False, the head untied from the input table)
+        they reproduce this step's weights there. Per-channel scales are per output row, so the fused QKV and
+        gate/up rows are each projection's own."""
+        weights = {"lm_head.weight": self.linear.dequantize(self.head)}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = self.linear.dequantize(layer.qkv).split([self.q_size, self.kv_size, self.kv_size])
+            gate, up = self.linear.dequantize(layer.gate_up).chunk(2)
+            weights.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight":
+                            self.linear.dequantize(layer.o), p + "mlp.gate_proj.weight": gate,
+                            p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": self.linear.dequantize(layer.down)})
+        return weights
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                 meta: AttentionMetadata, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids int64 [T], positions int64 [T] (or input_embeds float32 [T, hidden]) -> hidden [T, hidden]
+        float32 after the final norm; writes the step's K/V into `kv_caches` at `meta.slot_mapping`."""
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds.float().clone()
+        tokens = x.shape[0]
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        linear, ops = self.linear.linear, self.ops
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            qkv = linear(ops.rms_norm(x, layer.input_norm, layer.input_eps), layer.qkv, layer.qkv_bias)
+            ops.rope_store_kv(qkv, self.num_heads, self.num_kv_heads, positions, self.cos, self.sin, slots,
+                              k_cache, v_cache)
+            q = qkv[:, : self.q_size].unflatten(1, (self.num_heads, -1))
+            attn = self.attention.attend(q, k_cache, v_cache, meta)
+            linear(attn.reshape(tokens, self.q_size), layer.o, out=x, accumulate=True)
+            gate_up = linear(ops.rms_norm(x, layer.post_norm, layer.post_eps), layer.gate_up)
+            linear(ops.silu_mul(gate_up), layer.down, out=x, accumulate=True)
+        return ops.rms_norm(x, self.norm, self.norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] float32 -> logits [N, vocab] float32."""
+        return self.linear.linear(hidden.contiguous(), self.head)

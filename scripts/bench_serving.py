@@ -87,7 +87,8 @@ QUESTIONS = [
 
 
 def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
-    """The CPU as /proc/cpuinfo names it: {"model": str, "avx512_bf16": bool, "amx_bf16": bool, "cores": int}."""
+    """The CPU as /proc/cpuinfo names it: {"model": str, "avx2": bool, "avx512f": bool, "avx512_bf16": bool,
+    "amx_bf16": bool, "cores": int}."""
     model, flags = "unknown", set()
     try:
         with open(cpuinfo_path, encoding="utf-8") as handle:
@@ -99,8 +100,8 @@ def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
                     flags = set(value.split())
     except OSError:
         pass
-    return {"model": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-            "cores": os.cpu_count() or 1}
+    return {"model": model, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "cores": os.cpu_count() or 1}
 
 
 # --- measuring -----------------------------------------------------------------------------------------------------
@@ -730,6 +731,8 @@ def ratios(peers: dict) -> tuple[dict, dict]:
             add(f"front_door_c{c}/vllm_c{c} TTFT p50", level, vllm[c], "ttft_p50")
         if c in grpc:
             add(f"front_door_c{c}/triton_grpc_c{c} tok/s", level, grpc[c], "output_tok_s")
+        if c in llama:
+            add(f"front_door_c{c}/llama_cpp_c{c} tok/s", level, llama[c], "output_tok_s")
     for c, level in grpc.items():
         if hf:
             add(f"triton_grpc_c{c}/hf_single tok/s", level, hf, "output_tok_s")
@@ -775,9 +778,11 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     ax_tput.legend(fontsize=7)
     cpu = results["cpu"]
+    flags = ", ".join(flag for flag in ("avx2", "avx512f", "avx512_bf16") if cpu.get(flag)) or "no avx2"
+    ours = results["dtype"] + (", ours int8 weights" if results.get("quantization", "none") != "none" else "")
     fig.suptitle(f"SmolLM2-135M chat, {results['workload']['new_tokens']} tokens per request, median of "
-                 f"{results['rounds']} rounds (dots: each round); {cpu['model']}, {cpu['cores']} cores"
-                 + (", avx512_bf16" if cpu["avx512_bf16"] else ", no avx512_bf16"), fontsize=10)
+                 f"{results['rounds']} rounds (dots: each round); {ours}; {cpu['model']}, {cpu['cores']} cores, "
+                 f"{flags}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -797,6 +802,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="every peer's dtype but llama.cpp's (bfloat16 needs a CPU with avx512_bf16)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, ours, vLLM's and llama.cpp's")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="our engine's weights (int8: weight-only, per channel; float32 activations), for the "
+                             "comparison with llama.cpp's Q4_1; the other peers keep --dtype")
     parser.add_argument("--vllm-omp-threads-bind", default="auto",
                         help="'auto': vLLM's default (keeps a core for its API server, as our engine's automatic "
                              "cpu_threads does); 'all': every core; else a VLLM_CPU_OMP_THREADS_BIND value")
@@ -810,6 +818,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--requests takes one value, or one per level")
     if args.dtype == "bfloat16" and not cpu_info()["avx512_bf16"]:
         parser.error("--dtype bfloat16 needs a CPU with avx512_bf16 (see /proc/cpuinfo)")
+    if args.quantization != "none" and args.dtype != "float32":
+        parser.error("--quantization int8 computes in float32 (--dtype float32)")
     return args
 
 
@@ -820,15 +830,17 @@ def main(argv: list[str] | None = None) -> None:
     questions = lambda n: [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]  # noqa: E731
     per_level = {c: questions(max(n, c)) for c, n in zip(args.levels, requests)}
     cpu = cpu_info()
-    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, avx512_bf16: {'yes' if cpu['avx512_bf16'] else 'no'}; "
-          f"dtype {args.dtype}, max_model_len {args.max_model_len}", flush=True)
+    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, avx2: {'yes' if cpu['avx2'] else 'no'}, avx512f: "
+          f"{'yes' if cpu['avx512f'] else 'no'}, avx512_bf16: {'yes' if cpu['avx512_bf16'] else 'no'}; "
+          f"dtype {args.dtype}, our quantization {args.quantization}, max_model_len {args.max_model_len}", flush=True)
     BENCH_CACHE.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = {"workload": {"new_tokens": args.new_tokens, "requests_per_level": {str(c): len(q) for c, q in
                                                                                   per_level.items()},
                             "hf_requests": args.hf_requests, "ignore_eos": True, "temperature": 0.0,
                             "prompts": "chat template of the model over QUESTIONS"},
-               "dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": MAX_NUM_SEQS,
+               "dtype": args.dtype, "quantization": args.quantization, "max_model_len": args.max_model_len,
+               "max_num_seqs": MAX_NUM_SEQS,
                "cpu": cpu, "machine": f"{platform.machine()} {os.cpu_count()} cores", "rounds": args.rounds,
                "load_average_at_start": os.getloadavg(),
                "settings": {"ours_kv_cache_bytes": 512 << 20, "vllm": VLLM_CPU, "vllm_kvcache_gib": VLLM_KVCACHE_GIB,
@@ -842,7 +854,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if "front_door" in wanted or "triton_grpc" in wanted:
             print("starting tritonserver (omni_chat) and the front door ...", flush=True)
-            omni = OmniServers(args.dtype, args.max_model_len, front_door="front_door" in wanted).start()
+            omni = OmniServers(args.dtype, args.max_model_len, front_door="front_door" in wanted,
+                               settings={"quantization": args.quantization}).start()
             services.append(omni)
             owner["front_door"] = owner["triton_grpc"] = omni
             senders["front_door"] = lambda q: openai_chat_request(omni.base_url, "omni_chat", q, args.new_tokens)

@@ -1,0 +1,138 @@
+"""Benchmark the CPU engine's step: decode-step time at batch 1, 8 and 32 and prefill rate, for each way the CPU
+step can run its matmuls (a benchmark, not a test; results in benchmarks/results/cpu_step.json).
+
+Variants (same model, same process, interleaved rounds, one engine at a time):
+- ``onednn``: the torch modules with oneDNN-packed float32 weights (`engine/cpu_linear.py`), the CPU path before
+  the C++ kernels, and what runs where they cannot be built;
+- ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the CPU default;
+- ``kernels-int8``: the same with weight-only int8 panels (quantization "int8").
+
+Each round builds each variant's engine (1 torch thread unless --threads), fills it with `batch` prompts of
+--prompt-tokens tokens, and times --steps decode steps (the median step is reported) and one prefill of
+--prefill-tokens tokens. Prints per-variant medians over rounds and the ratios to ``onednn``; names the CPU.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py            # about 4 minutes on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py --rounds 1 --steps 3 --results-dir /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_library import CpuKernelUnavailable
+from omni_backend import paths
+from omni_backend.engine import model_runner
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving as serving  # noqa: E402  (its cpu_info)
+
+MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
+VARIANTS = ("onednn", "kernels-float32", "kernels-int8")
+
+
+def _without_cpu_kernels(*_args, **_kwargs):
+    raise CpuKernelUnavailable("benchmark variant onednn")
+
+
+def build_engine(variant: str, threads: int) -> LLMEngine:
+    config = EngineConfig(model_path=str(MODEL), dtype="float32", max_num_seqs=32, kv_cache_bytes=512 << 20,
+                          cpu_threads=threads, enable_prefix_caching=False,
+                          quantization="int8" if variant == "kernels-int8" else "none")
+    if variant != "onednn":
+        return LLMEngine(config)
+    original = model_runner.CpuLlamaForward
+    model_runner.CpuLlamaForward = _without_cpu_kernels
+    try:
+        return LLMEngine(config)
+    finally:
+        model_runner.CpuLlamaForward = original
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int, seed: int) -> float:
+    """Median ms of `steps` decode steps with `batch` sequences of about prompt_tokens tokens of context."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.runner.hf_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{seed}-{i}", torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), params)
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    for i in range(batch):
+        engine.abort(f"d{seed}-{i}")
+    return statistics.median(times)
+
+
+def prefill_tok_s(engine: LLMEngine, tokens: int, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, engine.runner.hf_config.vocab_size, (tokens,), generator=gen).tolist()
+    engine.add_request(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--prefill-tokens", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    cpu = serving.cpu_info()
+    print(f"CPU: {cpu}; {args.threads} torch thread(s)", flush=True)
+    rounds = []
+    for r in range(args.rounds):
+        order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
+        results = {}
+        for variant in order:
+            engine = build_engine(variant, args.threads)
+            row = {f"decode_ms_b{b}": decode_step_ms(engine, b, args.prompt_tokens, args.steps, 100 * r + b)
+                   for b in args.batches}
+            row["prefill_tok_s"] = prefill_tok_s(engine, args.prefill_tokens, r)
+            row["matmuls"] = engine.runner.matmuls
+            results[variant] = row
+            print(f"round {r + 1} {variant:16s} " + " ".join(
+                f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+            del engine
+        rounds.append(results)
+    keys = [f"decode_ms_b{b}" for b in args.batches] + ["prefill_tok_s"]
+    medians = {v: {k: statistics.median(rd[v][k] for rd in rounds) for k in keys} for v in args.variants}
+    print("\nmedians over rounds:")
+    for variant, row in medians.items():
+        ratios = ""
+        if "onednn" in medians and variant != "onednn":
+            base = medians["onednn"]
+            ratios = "  speed-up vs onednn: " + " ".join(
+                f"{k} {base[k] / row[k] if k.startswith('decode') else row[k] / base[k]:.2f}x" for k in keys)
+        print(f"{variant:16s} " + " ".join(f"{k} {row[k]:.1f}" for k in keys) + ratios)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / "cpu_step.json"
+    out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "dtype": "float32",
+                               "prompt_tokens": args.prompt_tokens, "steps": args.steps, "medians": medians,
+                               "rounds": rounds, "argv": sys.argv[1:]}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

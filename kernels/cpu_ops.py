@@ -49,6 +49,10 @@ class CpuOps:
     def __init__(self, build_dir: str | os.PathLike):
         self.path, self._fn = load_functions(SOURCE, Path(build_dir), _FLAGS, _SIGNATURES)
 
+    def function(self, name: str):
+        """The library's ctypes function `name` ("rms_norm_f32", ...), for callers in C (cpu_decode_step)."""
+        return self._fn[name]
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * x / sqrt(mean(x^2, -1) + eps)`` for x ``[M, H]``, weight ``[H]``: a new ``[M, H]`` tensor
         (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019; HF LlamaRMSNorm in float32).

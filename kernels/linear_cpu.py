@@ -104,6 +104,10 @@ class CpuLinearKernels:
         self._fn["linear_pack_i8"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
         return PackedWeight(panels, scales, n, k)
 
+    def function(self, name: str):
+        """The library's ctypes function `name` ("linear_f32", "linear_i8"), for callers in C (cpu_decode_step)."""
+        return self._fn[name]
+
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
         """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s``)."""
         weight = packed.panels.permute(0, 2, 1).reshape(-1, packed.in_features)[: packed.out_features].float()

@@ -56,6 +56,10 @@ class CpuPagedDecode:
         self.path, functions = load_functions(SOURCE, Path(build_dir), _FLAGS, signatures)
         self._functions = {dtype: functions[symbol] for dtype, symbol in _SYMBOLS.items()}
 
+    def function(self, dtype: torch.dtype):
+        """The library's ctypes entry point for caches of `dtype`, for callers in C (cpu_decode_step)."""
+        return self._functions[dtype]
+
     def __call__(
         self,
         query: torch.Tensor,

@@ -89,6 +89,11 @@ class PagedAttention:
                 raise ValueError("the cpu attention backend needs kernel_build_dir")
             self._decode = CpuPagedDecode(kernel_build_dir)
 
+    @property
+    def decode_kernel(self) -> CpuPagedDecode | None:
+        """The cpu backend's built C++ decode kernel (None for the other backends)."""
+        return self._decode if self.backend == "cpu" else None
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> output [T, Hq, D] (q's dtype): stores k/v at the step's slots, then

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig
 
 from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
+from kernels.cpu_decode_step import CpuDecodeStep
 from kernels.cpu_library import CpuKernelUnavailable
 from kernels.cpu_ops import CpuOps
 from kernels.linear_cpu import CpuLinearKernels
@@ -213,7 +214,7 @@ class ModelRunner:
             build_dir = paths.cache_dir() / "kernels"
             try:
                 forward = CpuLlamaForward(model, CpuLinearKernels(build_dir), CpuOps(build_dir),
-                                          "int8" if quantization == "int8" else "float32")
+                                          CpuDecodeStep(build_dir), "int8" if quantization == "int8" else "float32")
             except CpuKernelUnavailable as exc:
                 if quantization != "none":
                     raise

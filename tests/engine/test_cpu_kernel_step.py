@@ -1,6 +1,7 @@
 """The CPU engine's float32 step through the C++ kernels (models/llama_cpu.py) and its weight-only int8 mode:
-int8 greedy tokens equal transformers' on the same dequantized weights; the fallback where the kernels cannot be
-built says why; int8 is refused where it cannot run."""
+int8 greedy tokens equal transformers' on the same dequantized weights; decode steps in one C++ call equal the
+per-op path bit for bit; the fallback where the kernels cannot be built says why; int8 is refused where it cannot
+run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kernels.cpu_decode_step import DecodeStepModel
 from kernels.cpu_library import CpuKernelUnavailable
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
@@ -86,3 +88,51 @@ def test_int8_is_refused_where_it_cannot_run(tiny_qwen2_path):
         _config(tiny_qwen2_path, quantization="fp8")
     with pytest.raises(ValueError, match="runs on CPU engines only"):
         _config(tiny_qwen2_path, quantization="int8", device="cuda")
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_decode_steps_in_one_call_equal_the_per_op_path(tiny_qwen2_path, quantization, monkeypatch):
+    """kernels/cpu_decode_step runs a decode-only step in one C++ call; its tokens and logprobs equal those of the
+    same engine running every kernel from Python, bit for bit (prefill and mixed steps stay op by op)."""
+    calls = []
+    original = DecodeStepModel.__call__
+    monkeypatch.setattr(DecodeStepModel, "__call__", lambda self, *a: calls.append(len(a[0])) or original(self, *a))
+    prompts = [list(range(200, 237)), list(range(500, 505)), [42, 43]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = []
+    for fused in (True, False):
+        engine = LLMEngine(_config(tiny_qwen2_path, quantization=quantization, max_num_seqs=4,
+                                   max_num_batched_tokens=16))
+        if not fused:
+            engine.runner.model.cpu_forward.decode_step = None
+        outputs = engine.generate(prompts, params)
+        results.append([[(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] for o in outputs])
+        if fused:
+            assert calls and max(calls) == len(prompts), "decode-only steps ran in one call, all rows together"
+            fused_calls = len(calls)
+    assert len(calls) == fused_calls, "the per-op engine never called it"
+    assert results[0] == results[1]
+
+
+def test_the_one_call_decode_step_refuses_rows_out_of_range(tiny_qwen2_path):
+    engine = LLMEngine(_config(tiny_qwen2_path))
+    runner = engine.runner
+    forward = runner.model.cpu_forward
+    step = forward.decode_step.describe(forward, runner.kv_caches)
+    hidden = runner.hf_config.hidden_size
+
+    def run(position, slot, block):
+        tables = torch.full((1, 4), block, dtype=torch.int32)
+        return step(torch.zeros(1, hidden), torch.tensor([position]), torch.tensor([slot]), tables,
+                    torch.tensor([1], dtype=torch.int32))
+
+    assert run(0, 0, 0).shape == (1, hidden)
+    with pytest.raises(ValueError, match="layer 0: a position or slot out of range"):
+        run(forward.cos.shape[0], 0, 0)
+    with pytest.raises(ValueError, match="layer 0: a position or slot out of range"):
+        run(0, runner.num_blocks * runner.config.block_size, 0)
+    with pytest.raises(ValueError, match="layer 0: a context needing blocks outside"):
+        run(0, 0, runner.num_blocks)
+    with pytest.raises(ValueError, match="x must be a contiguous float32"):
+        step(torch.zeros(1, hidden + 1), torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32),
+             torch.tensor([1], dtype=torch.int32))

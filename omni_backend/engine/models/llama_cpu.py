@@ -5,8 +5,9 @@ Per layer: RMSNorm (`kernels.cpu_ops`), the fused QKV projection (`kernels.linea
 writing the step's K/V into the paged cache, paged attention (`PagedAttention.attend`: the C++ decode kernel, the
 torch prefill reference), the output projection added into the residual stream in place, RMSNorm, the fused
 gate/up projection, SiLU(gate) * up, and the down projection added into the residual stream: 9 calls where the
-torch modules take about 35 ops. The arithmetic is the torch modules' (`models/llama.py`): float32 throughout,
-each product one float32 sum; the weights are packed once, as float32 panels or, with quantization "int8", as int8
+torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it in one call
+(`kernels/cpu_decode_step.py`, bit-identical). The arithmetic is the torch modules' (`models/llama.py`): float32
+throughout, each product one float32 sum; the weights are packed once, as float32 panels or, with quantization "int8", as int8
 panels with per-channel scales (weight-only: activations stay float32). Measured in docs/benchmarks.md ("CPU
 matmuls").
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_decode_step import CpuDecodeStep, DecodeStepModel
 from kernels.cpu_ops import CpuOps
 from kernels.linear_cpu import CpuLinearKernels, PackedWeight
 from omni_backend.engine.attention import AttentionMetadata
@@ -45,6 +47,8 @@ class CpuLlamaForward:
         model: the loaded `LlamaForCausalLM` (float32, CPU).
         linear: the built linear kernels.
         ops: the built elementwise ops.
+        decode_step: the built one-call decode step, which runs decode-only steps when the attention backend is
+            "cpu" (its kernel is what it calls); None: every step op by op.
         weight_format: "float32" or "int8" (`kernels.linear_cpu.WEIGHT_FORMATS`), for every projection and the
             output head; the input embedding table stays float32 (rows are looked up, not multiplied).
 
@@ -52,12 +56,15 @@ class CpuLlamaForward:
         ValueError: a model that is not float32 on the CPU, or an unknown weight format.
     """
 
-    def __init__(self, model, linear: CpuLinearKernels, ops: CpuOps, weight_format: str):
+    def __init__(self, model, linear: CpuLinearKernels, ops: CpuOps, decode_step: CpuDecodeStep | None,
+                 weight_format: str):
         if model.embed_tokens.weight.dtype != torch.float32 or model.embed_tokens.weight.device.type != "cpu":
             raise ValueError("the C++ CPU forward runs float32 models on the CPU, got "
                              f"{model.embed_tokens.weight.dtype} on {model.embed_tokens.weight.device}")
         self.linear, self.ops, self.weight_format = linear, ops, weight_format
         first = model.layers[0]
+        self.decode_step = decode_step if first.attention.decode_kernel is not None else None
+        self._described: DecodeStepModel | None = None  # the decode step's view of the engine's KV caches
         self.num_heads, self.num_kv_heads, self.q_size = first.num_heads, first.num_kv_heads, first.q_size
         self.kv_size = first.kv_size
         self.attention = first.attention
@@ -96,6 +103,11 @@ class CpuLlamaForward:
         """input_ids int64 [T], positions int64 [T] (or input_embeds float32 [T, hidden]) -> hidden [T, hidden]
         float32 after the final norm; writes the step's K/V into `kv_caches` at `meta.slot_mapping`."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds.float().clone()
+        if meta.num_prefill_tokens == 0 and self.decode_step is not None:
+            if self._described is None or self._described.cache_pointer != kv_caches[0][0].data_ptr():
+                self._described = self.decode_step.describe(self, kv_caches)
+            return self._described(x, positions.contiguous(), meta.slot_mapping.contiguous(),
+                                   meta.decode_block_tables, meta.decode_context_lens)
         tokens = x.shape[0]
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()

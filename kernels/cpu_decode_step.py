@@ -1,0 +1,167 @@
+"""A decode-only step of the float32 CPU model in one C++ call (``cpu_decode_step.cpp``): the CPU counterpart of a
+captured CUDA graph, built on first use (``kernels/cpu_library.py``) and called through ctypes.
+
+Why: a decode step of SmolLM2-135M is 30 layers x 9 kernel calls; through Python each costs its argument checks, a
+ctypes call and an output allocation, about 30 % of a batch-1 step (int8: 6 of 20 ms, measured with
+scripts/bench_cpu_step.py). This library calls the same kernels (``linear_cpu``, ``cpu_ops``, ``paged_decode_cpu``,
+through their own libraries' entry points) in the same order, so its results are bit-identical to the per-op path of
+``omni_backend/engine/models/llama_cpu.py``, and releases the GIL for the whole step.
+
+The model (`DecodeStepModel`) is described once: packed weights, norms, RoPE tables and the KV caches (their
+pointers: the tensors must stay alive and in place, as the engine's do). A step takes the decode rows'
+embeddings, positions, cache slots, block tables and context lengths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_library import load_functions
+
+SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _PTR) for name in ("linear_f32", "linear_i8", "rms_norm", "rope_store_kv", "silu_mul",
+                                          "paged_decode")]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("panels", _PTR), ("scales", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection),
+                ("input_norm", _PTR), ("post_norm", _PTR), ("input_eps", ctypes.c_float),
+                ("post_eps", ctypes.c_float), ("k_cache", _PTR), ("v_cache", _PTR)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("kernels", _Kernels), ("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64),
+                ("num_kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64), ("num_blocks", _I64),
+                ("block_size", _I64), ("max_positions", _I64), ("attention_scale", ctypes.c_float),
+                ("final_eps", ctypes.c_float), ("cos", _PTR), ("sin", _PTR), ("final_norm", _PTR),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+_SIGNATURES = {
+    "decode_step_scratch_floats": ([ctypes.POINTER(_Model), _I64], _I64),
+    "decode_step_f32": ([ctypes.POINTER(_Model), _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR], _I64),
+}
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+class CpuDecodeStep:
+    """The built library.
+
+    Args:
+        build_dir: folder for the compiled library (created if missing).
+
+    Raises:
+        kernels.cpu_library.CpuKernelUnavailable: the library cannot be built or loaded here.
+    """
+
+    def __init__(self, build_dir: str | os.PathLike):
+        self.path, self._fn = load_functions(SOURCE, Path(build_dir), _FLAGS, _SIGNATURES)
+
+    def describe(self, forward, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStepModel":
+        """The step's description of `forward` (an `omni_backend.engine.models.llama_cpu.CpuLlamaForward`) over
+        these KV caches (float32 ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, one pair per
+        layer).
+
+        Raises:
+            ValueError: caches that are not one contiguous float32 CPU pair per layer of the cache shape.
+        """
+        return DecodeStepModel(self, forward, kv_caches)
+
+
+class DecodeStepModel:
+    """A model described for `CpuDecodeStep` (see `CpuDecodeStep.describe`); holds what it points at.
+
+    Attributes:
+        cache_pointer: the first layer's K cache address, to tell whether a step's caches are the described ones.
+    """
+
+    def __init__(self, library: CpuDecodeStep, forward, kv_caches):
+        if len(kv_caches) != len(forward.layers):
+            raise ValueError(f"{len(kv_caches)} cache pairs for {len(forward.layers)} layers")
+        shape = kv_caches[0][0].shape
+        for cache in (c for pair in kv_caches for c in pair):
+            if cache.shape != shape or cache.dtype != torch.float32 or cache.device.type != "cpu" \
+                    or not cache.is_contiguous():
+                raise ValueError(f"every KV cache must be a contiguous float32 CPU tensor of shape {tuple(shape)}")
+        num_blocks, block_size, num_kv_heads, head_dim = shape
+        if num_kv_heads != forward.num_kv_heads:
+            raise ValueError(f"caches hold {num_kv_heads} KV heads, the model {forward.num_kv_heads}")
+        self._library = library
+        self._keep = [forward, kv_caches]  # what the description points at
+        linear, ops, decode = forward.linear, forward.ops, forward.attention.decode_kernel
+        kernels = _Kernels(_address(linear.function("linear_f32")), _address(linear.function("linear_i8")),
+                           _address(ops.function("rms_norm_f32")), _address(ops.function("rope_store_kv_f32")),
+                           _address(ops.function("silu_mul_f32")), _address(decode.function(torch.float32)))
+
+        def projection(packed, bias=None) -> _Projection:
+            return _Projection(packed.panels.data_ptr(), None if packed.scales is None else packed.scales.data_ptr(),
+                               None if bias is None else bias.data_ptr(), packed.out_features, packed.in_features)
+
+        layers = (_Layer * len(forward.layers))()
+        for entry, layer, (k_cache, v_cache) in zip(layers, forward.layers, kv_caches):
+            entry.qkv, entry.o = projection(layer.qkv, layer.qkv_bias), projection(layer.o)
+            entry.gate_up, entry.down = projection(layer.gate_up), projection(layer.down)
+            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.input_eps, entry.post_eps = layer.input_eps, layer.post_eps
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._layers = layers
+        self.hidden = forward.norm.shape[0]
+        self._model = _Model(kernels, len(forward.layers), self.hidden, forward.num_heads, num_kv_heads, head_dim,
+                             forward.layers[0].down.in_features, num_blocks, block_size, forward.cos.shape[0],
+                             forward.attention.scale, forward.norm_eps, forward.cos.data_ptr(), forward.sin.data_ptr(),
+                             forward.norm.data_ptr(), layers)
+        self._scratch = torch.empty(0, dtype=torch.float32)  # grown to the largest batch seen
+        self.cache_pointer = kv_caches[0][0].data_ptr()
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step: x ``[B, hidden]`` float32 (the rows' embeddings; overwritten), positions and
+        slot_mapping int64 ``[B]``, block_tables int32 ``[B, max_blocks]`` (unit stride in columns), context_lens
+        int32 ``[B]`` (with the new token) -> hidden ``[B, hidden]`` float32 after the final norm; writes each row's
+        K/V into the caches at its slot.
+
+        Raises:
+            ValueError: tensors outside this contract, or a row whose position, slot or block table is out of
+                range (the step's results are then undefined; the caller fails the step).
+        """
+        batch = x.shape[0]
+        if x.dtype != torch.float32 or x.shape != (batch, self.hidden) or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous float32 tensor of shape ({batch}, {self.hidden})")
+        for name, t, dtype in (("positions", positions, torch.int64), ("slot_mapping", slot_mapping, torch.int64),
+                               ("context_lens", context_lens, torch.int32)):
+            if t.dtype != dtype or t.shape != (batch,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape ({batch},)")
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch \
+                or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables must be an int32 [{batch}, max_blocks] tensor with unit column stride")
+        floats = self._library._fn["decode_step_scratch_floats"](ctypes.byref(self._model), batch)
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        out = torch.empty((batch, self.hidden), dtype=torch.float32)
+        failed = self._library._fn["decode_step_f32"](
+            ctypes.byref(self._model), x.data_ptr(), batch, positions.data_ptr(), slot_mapping.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+            self._scratch.data_ptr(), out.data_ptr())
+        if failed >= 0:
+            layer, reason = divmod(failed, 1000)
+            what = "a position or slot out of range" if reason == 1 else \
+                "a context needing blocks outside its block table or the cache"
+            raise ValueError(f"decode step refused at layer {layer}: {what}")
+        return out

@@ -5,7 +5,7 @@ use (``kernels/cpu_library.py``) and called through ctypes.
 Why: the CPU engine's decode steps multiply at most max_num_seqs rows (1-32) by each weight. oneDNN's packed
 float32 path and MKL reach a fraction of one core's FMA rate there, and a batch-1 step is bound by reading the
 weights (540 MB in float32 for SmolLM2-135M); int8 panels read a quarter of that. Measured in docs/benchmarks.md
-("CPU matmuls"); the kernel's scheme is in the .cpp.
+("The CPU step"); the kernel's scheme is in the .cpp.
 
 Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
 ``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With

@@ -8,8 +8,8 @@ gate/up projection, SiLU(gate) * up, and the down projection added into the resi
 torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it in one call
 (`kernels/cpu_decode_step.py`, bit-identical). The arithmetic is the torch modules' (`models/llama.py`): float32
 throughout, each product one float32 sum; the weights are packed once, as float32 panels or, with quantization "int8", as int8
-panels with per-channel scales (weight-only: activations stay float32). Measured in docs/benchmarks.md ("CPU
-matmuls").
+panels with per-channel scales (weight-only: activations stay float32). Measured in docs/benchmarks.md ("The CPU
+step").
 """
 
 from __future__ import annotations

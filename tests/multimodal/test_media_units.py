@@ -119,8 +119,8 @@ def test_limits_on_bytes_pixels_and_parts():
 
 
 def test_known_projector_embeddings_reach_the_llm_at_placeholder_positions(tmp_path, preprocessor):
-    """Vision tower -> a projector with known weights -> preprocess positions -> engine: the first decoder
-    layer's input rows at the placeholder positions are exactly the encoder outputs."""
+    """Vision tower -> a projector with known weights -> preprocess positions -> engine: the decoder's
+    input rows at the placeholder positions are exactly the encoder outputs."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, SiglipVisionConfig
 
     from omni_backend.engine.config import EngineConfig
@@ -163,8 +163,9 @@ def test_known_projector_embeddings_reach_the_llm_at_placeholder_positions(tmp_p
     tokenizer.save_pretrained(llm_dir)
     engine = LLMEngine(EngineConfig(model_path=str(llm_dir), dtype="float32", num_kv_blocks=32, max_num_seqs=2,
                                     max_num_batched_tokens=256, max_model_len=256))
-    seen = []
-    engine.runner.model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
+    seen = []  # the decoder's input rows: the first layer's input on either path (torch modules or C++ step)
+    engine.runner.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_embeds"].clone()), with_kwargs=True)
     positions = out["media_positions"]
     ids = out["input_ids"].tolist()
     engine.add_request("mm", ids, SamplingParams(max_tokens=1, temperature=0.0),

@@ -15,14 +15,12 @@ embeddings, positions, cache slots, block tables and context lengths.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import load_functions
+from kernels.cpu_library import CpuLibrary, check_cpu_tensor
 
-SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -61,18 +59,20 @@ def _address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-class CpuDecodeStep:
-    """The built library.
+# decode_step_f32's refusals: it returns 1000 * layer + one of these (cpu_decode_step.cpp)
+_REFUSALS = {1: "a position or slot out of range", 2: "a context needing blocks outside its block table or the cache"}
 
-    Args:
-        build_dir: folder for the compiled library (created if missing).
+
+class CpuDecodeStep(CpuLibrary):
+    """The built library (`kernels.cpu_library.CpuLibrary`: built in ``build_dir`` on first use).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the library cannot be built or loaded here.
     """
 
-    def __init__(self, build_dir: str | os.PathLike):
-        self.path, self._fn = load_functions(SOURCE, Path(build_dir), _FLAGS, _SIGNATURES)
+    SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
+    FLAGS = _FLAGS
+    SIGNATURES = _SIGNATURES
 
     def describe(self, forward, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStepModel":
         """The step's description of `forward` (an `omni_backend.engine.models.llama_cpu.CpuLlamaForward`) over
@@ -80,53 +80,74 @@ class CpuDecodeStep:
         layer).
 
         Raises:
-            ValueError: caches that are not one contiguous float32 CPU pair per layer of the cache shape.
+            ValueError: caches that are not one contiguous float32 CPU pair per layer of one shape, or weights,
+                norms and RoPE tables whose shapes do not fit the model's sizes.
         """
         return DecodeStepModel(self, forward, kv_caches)
 
 
 class DecodeStepModel:
-    """A model described for `CpuDecodeStep` (see `CpuDecodeStep.describe`); holds what it points at.
+    """A model described for `CpuDecodeStep` (see `CpuDecodeStep.describe`); holds the tensors it points at (not
+    `forward` itself, which holds this description).
 
     Attributes:
         cache_pointer: the first layer's K cache address, to tell whether a step's caches are the described ones.
     """
 
     def __init__(self, library: CpuDecodeStep, forward, kv_caches):
-        if len(kv_caches) != len(forward.layers):
+        if not kv_caches or len(kv_caches) != len(forward.layers):
             raise ValueError(f"{len(kv_caches)} cache pairs for {len(forward.layers)} layers")
-        shape = kv_caches[0][0].shape
-        for cache in (c for pair in kv_caches for c in pair):
-            if cache.shape != shape or cache.dtype != torch.float32 or cache.device.type != "cpu" \
-                    or not cache.is_contiguous():
-                raise ValueError(f"every KV cache must be a contiguous float32 CPU tensor of shape {tuple(shape)}")
+        shape = tuple(kv_caches[0][0].shape)
+        if len(shape) != 4:
+            raise ValueError(f"KV caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {shape}")
+        for pair in kv_caches:
+            for name, cache in zip(("k_cache", "v_cache"), pair):
+                check_cpu_tensor(name, cache, torch.float32, shape)
         num_blocks, block_size, num_kv_heads, head_dim = shape
+        hidden, num_heads = forward.norm.shape[0], forward.num_heads
         if num_kv_heads != forward.num_kv_heads:
             raise ValueError(f"caches hold {num_kv_heads} KV heads, the model {forward.num_kv_heads}")
-        self._library = library
-        self._keep = [forward, kv_caches]  # what the description points at
+        max_positions = forward.cos.shape[0]
+        check_cpu_tensor("cos", forward.cos, torch.float32, (max_positions, head_dim))
+        check_cpu_tensor("sin", forward.sin, torch.float32, (max_positions, head_dim))
+        check_cpu_tensor("final norm", forward.norm, torch.float32, (hidden,))
+        intermediate = forward.layers[0].down.in_features
         linear, ops, decode = forward.linear, forward.ops, forward.attention.decode_kernel
-        kernels = _Kernels(_address(linear.function("linear_f32")), _address(linear.function("linear_i8")),
-                           _address(ops.function("rms_norm_f32")), _address(ops.function("rope_store_kv_f32")),
-                           _address(ops.function("silu_mul_f32")), _address(decode.function(torch.float32)))
+        keep = [forward.cos, forward.sin, forward.norm]  # what the description points at
 
-        def projection(packed, bias=None) -> _Projection:
+        def projection(name, packed, n, k, bias=None) -> _Projection:
+            if (packed.out_features, packed.in_features) != (n, k):
+                raise ValueError(f"{name} is [{packed.out_features}, {packed.in_features}], the model needs [{n}, {k}]")
+            linear.check_packed(packed)
+            if bias is not None:
+                check_cpu_tensor(f"{name} bias", bias, torch.float32, (n,))
+            keep.extend(t for t in (packed.panels, packed.scales, bias) if t is not None)
             return _Projection(packed.panels.data_ptr(), None if packed.scales is None else packed.scales.data_ptr(),
-                               None if bias is None else bias.data_ptr(), packed.out_features, packed.in_features)
+                               None if bias is None else bias.data_ptr(), n, k)
 
         layers = (_Layer * len(forward.layers))()
-        for entry, layer, (k_cache, v_cache) in zip(layers, forward.layers, kv_caches):
-            entry.qkv, entry.o = projection(layer.qkv, layer.qkv_bias), projection(layer.o)
-            entry.gate_up, entry.down = projection(layer.gate_up), projection(layer.down)
+        qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+        for i, (entry, layer, (k_cache, v_cache)) in enumerate(zip(layers, forward.layers, kv_caches)):
+            entry.qkv = projection(f"layer {i} qkv", layer.qkv, qkv_width, hidden, layer.qkv_bias)
+            entry.o = projection(f"layer {i} o", layer.o, hidden, num_heads * head_dim)
+            entry.gate_up = projection(f"layer {i} gate_up", layer.gate_up, 2 * intermediate, hidden)
+            entry.down = projection(f"layer {i} down", layer.down, hidden, intermediate)
+            for name, norm in (("input norm", layer.input_norm), ("post-attention norm", layer.post_norm)):
+                check_cpu_tensor(f"layer {i} {name}", norm, torch.float32, (hidden,))
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.input_eps, entry.post_eps = layer.input_eps, layer.post_eps
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            keep.extend((layer.input_norm, layer.post_norm, k_cache, v_cache))
+        kernels = _Kernels(*(_address(built.entry_point(name)) for built, name in (
+            (linear, "linear_f32"), (linear, "linear_i8"), (ops, "rms_norm_f32"), (ops, "rope_store_kv_f32"),
+            (ops, "silu_mul_f32"), (decode, "paged_decode_f32"))))
+        self._library = library
+        self._keep = keep
         self._layers = layers
-        self.hidden = forward.norm.shape[0]
-        self._model = _Model(kernels, len(forward.layers), self.hidden, forward.num_heads, num_kv_heads, head_dim,
-                             forward.layers[0].down.in_features, num_blocks, block_size, forward.cos.shape[0],
-                             forward.attention.scale, forward.norm_eps, forward.cos.data_ptr(), forward.sin.data_ptr(),
-                             forward.norm.data_ptr(), layers)
+        self.hidden = hidden
+        self._model = _Model(kernels, len(forward.layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
+                             num_blocks, block_size, max_positions, forward.attention.scale, forward.norm_eps,
+                             forward.cos.data_ptr(), forward.sin.data_ptr(), forward.norm.data_ptr(), layers)
         self._scratch = torch.empty(0, dtype=torch.float32)  # grown to the largest batch seen
         self.cache_pointer = kv_caches[0][0].data_ptr()
 
@@ -134,34 +155,33 @@ class DecodeStepModel:
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         """One decode step: x ``[B, hidden]`` float32 (the rows' embeddings; overwritten), positions and
         slot_mapping int64 ``[B]``, block_tables int32 ``[B, max_blocks]`` (unit stride in columns), context_lens
-        int32 ``[B]`` (with the new token) -> hidden ``[B, hidden]`` float32 after the final norm; writes each row's
-        K/V into the caches at its slot.
+        int32 ``[B]`` (with the new token), all on the CPU -> hidden ``[B, hidden]`` float32 after the final norm;
+        writes each row's K/V into the caches at its slot.
 
         Raises:
             ValueError: tensors outside this contract, or a row whose position, slot or block table is out of
                 range (the step's results are then undefined; the caller fails the step).
         """
         batch = x.shape[0]
-        if x.dtype != torch.float32 or x.shape != (batch, self.hidden) or not x.is_contiguous():
-            raise ValueError(f"x must be a contiguous float32 tensor of shape ({batch}, {self.hidden})")
-        for name, t, dtype in (("positions", positions, torch.int64), ("slot_mapping", slot_mapping, torch.int64),
-                               ("context_lens", context_lens, torch.int32)):
-            if t.dtype != dtype or t.shape != (batch,) or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape ({batch},)")
-        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch \
-                or block_tables.stride(1) != 1:
-            raise ValueError(f"block_tables must be an int32 [{batch}, max_blocks] tensor with unit column stride")
-        floats = self._library._fn["decode_step_scratch_floats"](ctypes.byref(self._model), batch)
+        check_cpu_tensor("x", x, torch.float32, (batch, self.hidden))
+        check_cpu_tensor("positions", positions, torch.int64, (batch,))
+        check_cpu_tensor("slot_mapping", slot_mapping, torch.int64, (batch,))
+        check_cpu_tensor("context_lens", context_lens, torch.int32, (batch,))
+        if block_tables.dtype != torch.int32 or block_tables.device.type != "cpu" or block_tables.dim() != 2 \
+                or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables must be an int32 CPU [{batch}, max_blocks] tensor with unit column "
+                             f"stride, got {block_tables.dtype} {tuple(block_tables.shape)} on {block_tables.device}")
+        out = torch.empty((batch, self.hidden), dtype=torch.float32)
+        if batch == 0:
+            return out
+        floats = self._library.entry_point("decode_step_scratch_floats")(ctypes.byref(self._model), batch)
         if self._scratch.numel() < floats:
             self._scratch = torch.empty(floats, dtype=torch.float32)
-        out = torch.empty((batch, self.hidden), dtype=torch.float32)
-        failed = self._library._fn["decode_step_f32"](
+        failed = self._library.entry_point("decode_step_f32")(
             ctypes.byref(self._model), x.data_ptr(), batch, positions.data_ptr(), slot_mapping.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
             self._scratch.data_ptr(), out.data_ptr())
         if failed >= 0:
             layer, reason = divmod(failed, 1000)
-            what = "a position or slot out of range" if reason == 1 else \
-                "a context needing blocks outside its block table or the cache"
-            raise ValueError(f"decode step refused at layer {layer}: {what}")
+            raise ValueError(f"decode step refused at layer {layer}: {_REFUSALS[reason]}")
         return out

@@ -96,9 +96,63 @@ def load_functions(source: Path, build_dir: Path, flags: list[str],
     return path, functions
 
 
+class CpuLibrary:
+    """A C++ kernel library, built on first use (`load_functions`) and called through ctypes. A subclass names its
+    ``SOURCE`` (a .cpp beside this file), its compiler ``FLAGS`` and the ``SIGNATURES`` of its entry points
+    ({name: (argtypes, restype)}).
+
+    Args:
+        build_dir: folder for the compiled library (created if missing).
+
+    Attributes:
+        path: the loaded library's file.
+
+    Raises:
+        CpuKernelUnavailable: the library cannot be built or loaded here (the message says why).
+    """
+
+    SOURCE: Path
+    FLAGS: list[str]
+    SIGNATURES: dict[str, tuple[list, object]]
+
+    def __init__(self, build_dir: str | os.PathLike):
+        self.path, self._fn = load_functions(self.SOURCE, Path(build_dir), self.FLAGS, self.SIGNATURES)
+
+    def entry_point(self, name: str) -> ctypes._CFuncPtr:
+        """The typed ctypes function `name` (a key of ``SIGNATURES``), for callers in C (kernels/cpu_decode_step).
+
+        Raises:
+            KeyError: `name` is not one of the library's entry points.
+        """
+        return self._fn[name]
+
+
+def check_cpu_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise ValueError unless `t` is a contiguous CPU tensor of `dtype` and `shape`."""
+    if t.dtype != dtype or t.device.type != "cpu" or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {tuple(shape)}, got {t.dtype} "
+                         f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
+
+
 def check_float32_rows(name: str, t: torch.Tensor) -> None:
-    """Raise ValueError unless `t` is a 2-D float32 CPU tensor with unit stride in its last dimension (rows of any
-    stride), what the kernels' row pointers assume."""
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"{name} must be a 2-D float32 CPU tensor with unit stride in its last dimension, got "
+    """Raise ValueError unless `t` is a 2-D float32 CPU tensor whose rows are each contiguous and do not overlap
+    (unit stride in the last dimension, row stride at least the row's length), what the kernels' row pointers
+    assume."""
+    rows, width = t.shape if t.dim() == 2 else (0, 0)
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or (width > 1 and t.stride(1) != 1) \
+            or (rows > 1 and t.stride(0) < width):
+        raise ValueError(f"{name} must be a 2-D float32 CPU tensor of contiguous, non-overlapping rows, got "
                          f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+
+
+def check_disjoint(written: str, a: torch.Tensor, read: str, b: torch.Tensor) -> None:
+    """Raise ValueError if the memory `a` spans (from its first to its last element) overlaps `b`'s: a kernel
+    writing `a` while reading `b` would read values it has already overwritten."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    if a.numel() and b.numel():
+        (a0, a1), (b0, b1) = span(a), span(b)
+        if a0 < b1 and b0 < a1:
+            raise ValueError(f"{written} overlaps {read} in memory; the kernel writes one while reading the other")

@@ -16,14 +16,12 @@ work runs on the calling thread's OpenMP team with the GIL released.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import check_float32_rows, load_functions
+from kernels.cpu_library import CpuLibrary, check_cpu_tensor, check_float32_rows
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC", "-std=c++17"]
 _I64 = ctypes.c_int64
@@ -36,22 +34,16 @@ _SIGNATURES = {
 }
 
 
-class CpuOps:
-    """The built library.
-
-    Args:
-        build_dir: folder for the compiled library (created if missing).
+class CpuOps(CpuLibrary):
+    """The built library (`kernels.cpu_library.CpuLibrary`: built in ``build_dir`` on first use).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the library cannot be built or loaded here (the message says why).
     """
 
-    def __init__(self, build_dir: str | os.PathLike):
-        self.path, self._fn = load_functions(SOURCE, Path(build_dir), _FLAGS, _SIGNATURES)
-
-    def function(self, name: str):
-        """The library's ctypes function `name` ("rms_norm_f32", ...), for callers in C (cpu_decode_step)."""
-        return self._fn[name]
+    SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+    FLAGS = _FLAGS
+    SIGNATURES = _SIGNATURES
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * x / sqrt(mean(x^2, -1) + eps)`` for x ``[M, H]``, weight ``[H]``: a new ``[M, H]`` tensor
@@ -62,8 +54,7 @@ class CpuOps:
         """
         check_float32_rows("x", x)
         m, h = x.shape
-        if weight.shape != (h,) or not weight.is_contiguous() or weight.dtype != torch.float32:
-            raise ValueError(f"weight must be a contiguous float32 tensor of shape ({h},)")
+        check_cpu_tensor("weight", weight, torch.float32, (h,))
         out = torch.empty((m, h), dtype=torch.float32)
         self._fn["rms_norm_f32"](x.data_ptr(), m, h, x.stride(0), weight.data_ptr(), eps, out.data_ptr(), h)
         return out
@@ -89,12 +80,12 @@ class CpuOps:
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if c.shape != k_cache.shape or c.dtype != torch.float32 or c.device.type != "cpu" or not c.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {tuple(k_cache.shape)}")
-        for name, c in (("cos", cos), ("sin", sin)):
-            if c.dim() != 2 or c.shape[1] != head_dim or c.dtype != torch.float32 or not c.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous float32 [positions, {head_dim}] table")
-        for name, v in (("positions", positions), ("slot_mapping", slot_mapping)):
-            if v.shape != (t,) or v.dtype != torch.int64 or not v.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous int64 tensor of shape ({t},)")
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding pairs the halves of a head: head_dim must be even, got {head_dim}")
+        check_cpu_tensor("cos", cos, torch.float32, (cos.shape[0] if cos.dim() == 2 else -1, head_dim))
+        check_cpu_tensor("sin", sin, torch.float32, tuple(cos.shape))
+        check_cpu_tensor("positions", positions, torch.int64, (t,))
+        check_cpu_tensor("slot_mapping", slot_mapping, torch.int64, (t,))
         bad = self._fn["rope_store_kv_f32"](
             qkv.data_ptr(), t, qkv.stride(0), num_q_heads, num_kv_heads, head_dim, positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], slot_mapping.data_ptr(), k_cache.data_ptr(),

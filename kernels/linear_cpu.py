@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import check_float32_rows, load_functions
+from kernels.cpu_library import CpuLibrary, check_cpu_tensor, check_disjoint, check_float32_rows
 
-SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC", "-std=c++17"]
 WEIGHT_FORMATS = ("float32", "int8")
@@ -61,6 +60,7 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
+        """"int8" or "float32", from the panels' dtype."""
         return "int8" if self.panels.dtype == torch.int8 else "float32"
 
     @property
@@ -70,18 +70,22 @@ class PackedWeight:
         return self.panels.numel() * self.panels.element_size() + scales
 
 
-class CpuLinearKernels:
-    """The built kernel library.
+class CpuLinearKernels(CpuLibrary):
+    """The built kernel library (`kernels.cpu_library.CpuLibrary`: built in ``build_dir`` on first use).
 
-    Args:
-        build_dir: folder for the compiled library (created if missing).
+    Attributes:
+        panel_width: NR, the output channels per packed panel (16 with AVX2, 32 with AVX-512, 8 portable).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
     """
 
+    SOURCE = Path(__file__).with_name("linear_cpu.cpp")
+    FLAGS = _FLAGS
+    SIGNATURES = _SIGNATURES
+
     def __init__(self, build_dir: str | os.PathLike):
-        self.path, self._fn = load_functions(SOURCE, Path(build_dir), _FLAGS, _SIGNATURES)
+        super().__init__(build_dir)
         self.panel_width = int(self._fn["linear_panel_width"]())
 
     def pack(self, weight: torch.Tensor, weight_format: str) -> PackedWeight:
@@ -104,9 +108,20 @@ class CpuLinearKernels:
         self._fn["linear_pack_i8"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
         return PackedWeight(panels, scales, n, k)
 
-    def function(self, name: str):
-        """The library's ctypes function `name` ("linear_f32", "linear_i8"), for callers in C (cpu_decode_step)."""
-        return self._fn[name]
+    def check_packed(self, packed: PackedWeight) -> None:
+        """Raise ValueError unless `packed` is laid out as this library packs: contiguous CPU panels of its panel
+        width covering the weight's shape, float32 without scales or int8 with float32 ``[out_features]`` scales
+        (a weight packed by a build with another panel width would be read past its end)."""
+        shape = (-(-packed.out_features // self.panel_width), packed.in_features, self.panel_width)
+        if packed.panels.dtype not in (torch.float32, torch.int8):
+            raise ValueError(f"packed panels must be float32 or int8, got {packed.panels.dtype}")
+        check_cpu_tensor("packed panels", packed.panels, packed.panels.dtype, shape)
+        if packed.panels.dtype == torch.int8:
+            if packed.scales is None:
+                raise ValueError("int8 panels need their per-channel scales")
+            check_cpu_tensor("scales", packed.scales, torch.float32, (packed.out_features,))
+        elif packed.scales is not None:
+            raise ValueError("float32 panels take no scales")
 
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
         """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s``)."""
@@ -125,6 +140,7 @@ class CpuLinearKernels:
         n = packed.out_features
         if k != packed.in_features:
             raise ValueError(f"x has {k} features, the weight takes {packed.in_features}")
+        self.check_packed(packed)
         if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != (n,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"bias must be a contiguous float32 CPU tensor of shape ({n},)")
@@ -136,6 +152,7 @@ class CpuLinearKernels:
             check_float32_rows("out", out)
             if out.shape != (m, n):
                 raise ValueError(f"out must have shape ({m}, {n}), got {tuple(out.shape)}")
+            check_disjoint("out", out, "x", x)
         if m == 0:
             return out
         bias_ptr = None if bias is None else bias.data_ptr()

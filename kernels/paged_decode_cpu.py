@@ -15,7 +15,8 @@ Precision: scores, softmax and the ``P @ V`` accumulation in fp32, the result ro
 (at least as precise as the Triton kernel, which rounds P to the input dtype).
 
 Build: ``g++ -O3 -march=native -fopenmp`` into ``<build_dir>/paged_decode_cpu-<hash>.so`` on first use
-(``kernels/cpu_library.py``: the hash, ``$CXX``, concurrent first uses). The AVX-512 path needs an x86 CPU with AVX-512; elsewhere the portable loop runs. The
+(``kernels/cpu_library.py``: the hash, ``$CXX``, concurrent first uses). The SIMD path runs with the vectors the
+build has (AVX-512, AVX2 or 16-byte; the .cpp says which shapes it takes); other shapes run the portable loop. The
 library links libgomp by soname: with torch's own ``libgomp.so.1`` already loaded (torch 2.13's CPU wheel) it
 joins that runtime and its thread count.
 """
@@ -23,15 +24,13 @@ joins that runtime and its thread count.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CpuKernelUnavailable, load_functions
+from kernels.cpu_library import CpuLibrary
 from kernels.paged_decode import _check
 
-SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC", "-std=c++17"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
@@ -41,24 +40,18 @@ _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _
              _PTR, ctypes.c_float]
 
 
-class CpuPagedDecode:
-    """The built kernel. Call it as :func:`kernels.paged_decode.paged_decode_attention` on CPU tensors.
-
-    Args:
-        build_dir: folder for the compiled library (created if missing).
+class CpuPagedDecode(CpuLibrary):
+    """The built kernel (`kernels.cpu_library.CpuLibrary`: built in ``build_dir`` on first use). Call it as
+    :func:`kernels.paged_decode.paged_decode_attention` on CPU tensors; its entry points are ``paged_decode_f32``,
+    ``paged_decode_bf16`` and ``paged_decode_f16``, by cache dtype.
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
     """
 
-    def __init__(self, build_dir: str | os.PathLike):
-        signatures = {symbol: (_ARGTYPES, ctypes.c_int64) for symbol in _SYMBOLS.values()}
-        self.path, functions = load_functions(SOURCE, Path(build_dir), _FLAGS, signatures)
-        self._functions = {dtype: functions[symbol] for dtype, symbol in _SYMBOLS.items()}
-
-    def function(self, dtype: torch.dtype):
-        """The library's ctypes entry point for caches of `dtype`, for callers in C (cpu_decode_step)."""
-        return self._functions[dtype]
+    SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
+    FLAGS = _FLAGS
+    SIGNATURES = {symbol: (_ARGTYPES, ctypes.c_int64) for symbol in _SYMBOLS.values()}
 
     def __call__(
         self,
@@ -101,7 +94,7 @@ class CpuPagedDecode:
             return out
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, k_cache, v_cache, out)]
-        bad_row = self._functions[query.dtype](
+        bad_row = self._fn[_SYMBOLS[query.dtype]](
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim, block_size,
             num_blocks, block_tables.shape[1], strides[0], strides[1], strides[2], block_tables.stride(0),

@@ -67,7 +67,7 @@ class PagedAttention:
 
     Raises:
         ValueError: unknown backend, or "cpu" without `kernel_build_dir`.
-        kernels.paged_decode_cpu.CpuKernelUnavailable: the "cpu" backend's kernel cannot be built here.
+        kernels.cpu_library.CpuKernelUnavailable: the "cpu" backend's kernel cannot be built here.
     """
 
     def __init__(self, backend: str, scale: float, kernel_build_dir: str | None = None):

@@ -133,6 +133,17 @@ def test_the_one_call_decode_step_refuses_rows_out_of_range(tiny_qwen2_path):
         run(0, runner.num_blocks * runner.config.block_size, 0)
     with pytest.raises(ValueError, match="layer 0: a context needing blocks outside"):
         run(0, 0, runner.num_blocks)
-    with pytest.raises(ValueError, match="x must be a contiguous float32"):
+    with pytest.raises(ValueError, match="x must be a contiguous torch.float32 CPU tensor"):
         step(torch.zeros(1, hidden + 1), torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32),
              torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="positions must be a contiguous torch.int64 CPU tensor"):
+        step(torch.zeros(1, hidden), torch.tensor([0], device="meta"), torch.tensor([0]),
+             torch.zeros(1, 4, dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    empty = step(torch.zeros(0, hidden), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                 torch.zeros(0, 4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    assert empty.shape == (0, hidden)
+    with pytest.raises(ValueError, match="0 cache pairs"):
+        forward.decode_step.describe(forward, [])
+    with pytest.raises(ValueError, match=r"cos must be .* of shape"):  # caches of another head_dim than the tables
+        forward.decode_step.describe(forward, [(c[..., :-2].contiguous(), c[..., :-2].contiguous())
+                                               for c, _ in runner.kv_caches])

@@ -71,9 +71,19 @@ def test_rope_store_kv_refuses_positions_and_slots_out_of_range(ops):
     with pytest.raises(ValueError, match="does not hold"):
         ops.rope_store_kv(torch.randn(3, 20), 1, 1, torch.zeros(3, dtype=torch.int64), cos, sin,
                           torch.zeros(3, dtype=torch.int64), cache, cache.clone())
+    zeros = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="positions must be"):
-        ops.rope_store_kv(qkv, 1, 1, torch.zeros(3, dtype=torch.int32), cos, sin,
-                          torch.zeros(3, dtype=torch.int64), cache, cache.clone())
+        ops.rope_store_kv(qkv, 1, 1, torch.zeros(3, dtype=torch.int32), cos, sin, zeros, cache, cache.clone())
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous torch.int64 CPU"):
+        ops.rope_store_kv(qkv, 1, 1, zeros, cos, sin, zeros.to("meta"), cache, cache.clone())
+    with pytest.raises(ValueError, match=r"sin must be .* of shape \(16, 8\)"):  # a shorter table would be overrun
+        ops.rope_store_kv(qkv, 1, 1, zeros, cos, sin[:8], zeros, cache, cache.clone())
+    odd = torch.zeros(2, 4, 1, 7)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        ops.rope_store_kv(torch.randn(3, 21), 1, 1, zeros, torch.ones(16, 7), torch.zeros(16, 7), zeros, odd,
+                          odd.clone())
+    with pytest.raises(ValueError, match="weight must be a contiguous torch.float32 CPU"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(8, device="meta"), 1e-5)
 
 
 def test_silu_mul_matches_torch_over_the_whole_range(ops):

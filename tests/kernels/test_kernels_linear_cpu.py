@@ -9,9 +9,8 @@ import shutil
 import pytest
 import torch
 
-from kernels import linear_cpu
 from kernels.cpu_library import CpuKernelUnavailable
-from kernels.linear_cpu import CpuLinearKernels
+from kernels.linear_cpu import CpuLinearKernels, PackedWeight
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
 
@@ -27,7 +26,7 @@ def kernels(request, tmp_path_factory):
         if not X86:
             pytest.skip("the portable build is what non-x86 machines run already")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(linear_cpu, "_FLAGS", linear_cpu._FLAGS + ["-mno-avx2", "-mno-avx512f"])
+            patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + ["-mno-avx2", "-mno-avx512f"])
             return CpuLinearKernels(tmp_path_factory.mktemp("linear_portable"))
     return CpuLinearKernels(tmp_path_factory.mktemp("linear"))
 
@@ -89,11 +88,11 @@ def test_bias_accumulate_and_strided_rows(kernels):
         ref = x.double() @ kernels.dequantize(packed).double().T + bias.double()
         out_wide = torch.randn(m, n + 3, generator=gen)
         out = out_wide[:, :n]
-        before = out.clone()
+        before, beyond = out.clone(), out_wide[:, n:].clone()
         kernels.linear(x, packed, bias, out=out, accumulate=True)
         _assert_within(out, ref + before.double(), _bound(x, kernels.dequantize(packed), 3) + before.double().abs()
                        * 2 * UNIT_ROUNDOFF + 1e-6)
-        assert torch.equal(out_wide[:, n:], out_wide[:, n:].clone()), "columns beyond N untouched"
+        assert torch.equal(out_wide[:, n:], beyond), "columns beyond N untouched"
         assert kernels.linear(x[:0], packed).shape == (0, n)
 
 
@@ -114,6 +113,19 @@ def test_contract_violations_raise(kernels):
         kernels.linear(torch.randn(2, 4), packed, out=torch.empty(3, 8))
     with pytest.raises(ValueError, match="accumulate needs out"):
         kernels.linear(torch.randn(2, 4), packed, accumulate=True)
+    with pytest.raises(ValueError, match="out must be a 2-D float32 CPU tensor of contiguous, non-overlapping"):
+        kernels.linear(torch.randn(2, 4), packed, out=torch.empty(1, 8).expand(2, 8))  # both rows in one place
+    shared = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        kernels.linear(shared[:, :4], packed, out=shared)
+    with pytest.raises(ValueError, match="x must be a 2-D float32 CPU"):
+        kernels.linear(torch.randn(2, 4, device="meta"), packed)
+    narrow = PackedWeight(torch.zeros(2, 4, kernels.panel_width // 2), None, 8, 4)  # another build's panel width
+    with pytest.raises(ValueError, match="packed panels must be a contiguous torch.float32 CPU tensor of shape"):
+        kernels.linear(torch.randn(2, 4), narrow)
+    int8 = kernels.pack(w, "int8")
+    with pytest.raises(ValueError, match="int8 panels need their per-channel scales"):
+        kernels.linear(torch.randn(2, 4), PackedWeight(int8.panels, None, 8, 4))
 
 
 def test_build_failures_say_why(tmp_path, monkeypatch):

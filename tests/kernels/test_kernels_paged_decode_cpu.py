@@ -9,7 +9,6 @@ import pytest
 import torch
 from kernel_testing import ATOL, PagedKV, assert_close, bad_decode_overrides, default_scale, naive_attention
 
-from kernels import paged_decode_cpu
 from kernels.paged_decode import paged_decode_attention_reference
 from kernels.cpu_library import CpuKernelUnavailable
 from kernels.paged_decode_cpu import CpuPagedDecode
@@ -31,8 +30,7 @@ def kernel(request, tmp_path_factory):
         if not X86:
             pytest.skip("the portable build is what non-x86 machines run already")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(paged_decode_cpu, "_FLAGS",
-                          paged_decode_cpu._FLAGS + ["-mno-avx512f", "-mno-avx2", "-mno-f16c"])
+            patch.setattr(CpuPagedDecode, "FLAGS", CpuPagedDecode.FLAGS + ["-mno-avx512f", "-mno-avx2", "-mno-f16c"])
             return CpuPagedDecode(tmp_path_factory.mktemp("cpu_kernels_portable"))
     return CpuPagedDecode(tmp_path_factory.mktemp("cpu_kernels"))
 
@@ -186,7 +184,7 @@ def test_build_is_cached_and_failures_say_why(tmp_path, monkeypatch):
         CpuPagedDecode(tmp_path / "a-file" / "kernels")  # the build folder cannot be made
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(paged_decode_cpu, "SOURCE", broken)
+    monkeypatch.setattr(CpuPagedDecode, "SOURCE", broken)
     with pytest.raises(CpuKernelUnavailable, match="compiling broken.cpp failed"):
         CpuPagedDecode(tmp_path / "broken")
     assert not any((tmp_path / "broken").iterdir()), "a failed build leaves no library or temporary file"

@@ -12,15 +12,16 @@
 //
 // Microkernel: an MR x NR tile of y in 2 * MR registers; per k, two vector loads of the panel, MR broadcasts of x
 // and 2 * MR fused multiply-adds (MR = 6 with AVX2's 16 registers, as BLIS's Haswell sgemm kernel; 12 with
-// AVX-512's 32). Each output is one fp32 accumulator summed in k order.
+// AVX-512's 32). Each output is one fp32 accumulator summed in k order; batches of 1-3 rows run tiles over 2-4
+// panels at once to keep 8 chains in flight (see `tile`).
 //
 // int8: q[n, k] = round(W[n, k] / s[n]) in [-127, 127], s[n] = max_k |W[n, k]| / 127 (symmetric per-channel,
 // as in LLM.int8()'s weight side, Dettmers et al. 2022, without its outlier split). y = s[n] * sum_k x[m, k] q[n, k]:
 // for a few rows the microkernel widens each int8 row of the panel to fp32 in registers; for more rows the panel is
 // widened once into a thread-local fp32 buffer and the float32 microkernel runs over it.
 //
-// Work is split over panels across the OpenMP threads of the process (static schedule); with one thread (the CPU
-// engine's default layout) it runs on the caller.
+// Work is split over panels across the calling thread's OpenMP team (static schedule; the engine's CPU threads,
+// torch.set_num_threads); with one thread it runs on the caller.
 
 #include <algorithm>
 #include <cmath>
@@ -80,55 +81,53 @@ inline void write_tile(const vf (&acc)[R][2], float* y, int64_t ldy, int cols, c
   }
 }
 
-// The R x NR tile of x @ panel over k in [0, K): U interleaved partial sums per output (k = u mod U), so that at
-// least 8 independent multiply-add chains cover the FMA units' latency (4 cycles, 2 units) when R is small; summed
-// in u order at the end. Weight is float (a float32 panel) or int8_t (widened in registers). While it runs, the
-// tile prefetches `ahead_lines` cache lines from `ahead` into L2 (its share of the next panel, see `run`).
-template <int R, typename Weight>
-void tile(const float* x, int64_t ldx, const Weight* panel, int64_t K, float* y, int64_t ldy, int cols,
+// The R x (P * NR) tile of x @ [P consecutive panels] over k in [0, K): one accumulator per output, summed in k
+// order, so an output's value does not depend on R, P or where its row falls in the batch (batch-invariant).
+// Small R take several panels at once (P > 1) so that at least 8 independent multiply-add chains cover the FMA
+// units' latency (4 cycles, 2 units). Weight is float (float32 panels) or int8_t (widened in registers). While it
+// runs, the tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`).
+template <int R, int P, typename Weight>
+void tile(const float* x, int64_t ldx, const Weight* panel, int64_t K, float* y, int64_t ldy, int64_t n_left,
           const float* scale, const float* bias, bool accumulate, const char* ahead, int64_t ahead_lines) {
-  constexpr int U = R >= 4 ? 1 : (4 + R - 1) / R;
-  vf acc[U][R][2] = {};
-  auto step = [&](int u, int64_t k) {
-    vf w0, w1;
-    if constexpr (sizeof(Weight) == 1) {
-      w0 = omni::widen_i8(panel + k * NR);
-      w1 = omni::widen_i8(panel + k * NR + VEC);
-    } else {
-      w0 = load_vec(panel + k * NR);
-      w1 = load_vec(panel + k * NR + VEC);
-    }
-    for (int r = 0; r < R; ++r) {
-      const vf a = splat(x[r * ldx + k]);
-      acc[u][r][0] += a * w0;
-      acc[u][r][1] += a * w1;
-    }
-  };
-  const int64_t iterations = K / U;
-  const int64_t lines_per_iteration = iterations > 0 ? (ahead_lines + iterations - 1) / iterations : 0;
+  vf acc[P][R][2] = {};
+  const int64_t lines_per_k = K > 0 ? (ahead_lines + K - 1) / K : 0;
   const char* const ahead_end = ahead + ahead_lines * 64;
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    for (int64_t i = 0; i < lines_per_iteration && ahead < ahead_end; ++i, ahead += 64) __builtin_prefetch(ahead, 0, 2);
-    for (int u = 0; u < U; ++u) step(u, k + u);
-  }
-  for (int u = 0; k < K; ++k, ++u) step(u, k);
-  for (int u = 1; u < U; ++u)
-    for (int r = 0; r < R; ++r) {
-      acc[0][r][0] += acc[u][r][0];
-      acc[0][r][1] += acc[u][r][1];
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t i = 0; i < lines_per_k && ahead < ahead_end; ++i, ahead += 64) __builtin_prefetch(ahead, 0, 2);
+    for (int j = 0; j < P; ++j) {
+      const Weight* w = panel + (j * K + k) * NR;
+      vf w0, w1;
+      if constexpr (sizeof(Weight) == 1) {
+        w0 = omni::widen_i8(w);
+        w1 = omni::widen_i8(w + VEC);
+      } else {
+        w0 = load_vec(w);
+        w1 = load_vec(w + VEC);
+      }
+      for (int r = 0; r < R; ++r) {
+        const vf a = splat(x[r * ldx + k]);
+        acc[j][r][0] += a * w0;
+        acc[j][r][1] += a * w1;
+      }
     }
-  write_tile<R>(acc[0], y, ldy, cols, scale, bias, accumulate);
+  }
+  for (int j = 0; j < P; ++j) {
+    const int cols = static_cast<int>(std::min<int64_t>(NR, n_left - j * NR));
+    float panel_scale[NR] = {};
+    if (scale) std::memcpy(panel_scale, scale + j * NR, cols * sizeof(float));
+    write_tile<R>(acc[j], y + j * NR, ldy, cols, scale ? panel_scale : nullptr, bias ? bias + j * NR : nullptr,
+                  accumulate);
+  }
 }
 
 template <typename Weight>
-using Tile = void (*)(const float*, int64_t, const Weight*, int64_t, float*, int64_t, int, const float*,
+using Tile = void (*)(const float*, int64_t, const Weight*, int64_t, float*, int64_t, int64_t, const float*,
                       const float*, bool, const char*, int64_t);
 
 template <typename Weight, int... R>
-constexpr Tile<Weight> tiles[] = {nullptr, tile<R, Weight>...};
+constexpr Tile<Weight> tiles[] = {nullptr, tile<R, 1, Weight>...};
 
-// tiles_for<Weight>[r]: the tile of r rows, r in [1, MR].
+// tiles_for<Weight>[r]: the one-panel tile of r rows, r in [1, MR].
 #if defined(__AVX512F__)
 template <typename Weight>
 constexpr const Tile<Weight>* tiles_for = tiles<Weight, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
@@ -137,39 +136,59 @@ template <typename Weight>
 constexpr const Tile<Weight>* tiles_for = tiles<Weight, 1, 2, 3, 4, 5, 6>;
 #endif
 
-// Rows up to which the int8 microkernel widens in registers; above it the panel is widened once into a buffer.
-constexpr int64_t I8_DIRECT_ROWS = MR;
+// Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains) and that tile.
+inline int panels_per_tile(int64_t M) { return M == 1 ? 4 : M < 4 ? 2 : 1; }
 
-// The driver of linear_f32 / linear_i8: panels split statically over the threads; per panel, its rows in tiles of
-// MR. The weights stream from memory once per call (a decode step's x rows stay in L1/L2). With several tiles the
-// first tile of each panel would wait for memory while the others run from L2, so the tiles prefetch the next
-// panel into L2, each its share, and the stream overlaps the arithmetic. With one tile the panels are read in
-// address order and the hardware prefetchers keep up with float32; int8 panels of 1-2 rows go through bytes
-// about 4x faster than that, and prefetching the next panel too took 13-19 % off their time (measured on this
-// project's AMD EPYC, AVX2; at 4 rows it cost 6-13 %, so it is not done there).
+template <typename Weight>
+Tile<Weight> wide_tile(int64_t M) {
+  switch (M) {
+    case 1: return tile<1, 4, Weight>;
+    case 2: return tile<2, 2, Weight>;
+    case 3: return tile<3, 2, Weight>;
+    default: return nullptr;
+  }
+}
+
+// The driver of linear_f32 / linear_i8. Work units, split statically over the threads: with M < 4 rows, groups
+// of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one tile; otherwise one
+// panel each, its rows in tiles of MR. The weights stream from memory once per call (a decode step's x rows stay
+// in L1/L2). With several tiles per panel the first tile would wait for memory while the others run from L2, so
+// the tiles prefetch the next panel into L2, each its share, and the stream overlaps the arithmetic. With one
+// tile the panels are read in address order and the hardware prefetchers keep up with float32; int8 panels of
+// 1-2 rows go through bytes about 4x faster than that, and prefetching the next unit's panels too took 13-19 % off
+// their time (measured on this project's AMD EPYC, AVX2; at 4 rows it cost 6-13 %, so it is not done there).
+// int8 with more than MR rows widens each panel once into a thread-local fp32 buffer and runs the float32 tiles.
 template <typename Weight>
 void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, const float* scales, int64_t N,
          const float* bias, float* y, int64_t ldy, bool accumulate) {
+  if (M <= 0) return;
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t panel_bytes = K * NR * static_cast<int64_t>(sizeof(Weight));
-  const bool widen = sizeof(Weight) == 1 && M > I8_DIRECT_ROWS;
+  const char* const packed_end = reinterpret_cast<const char*>(packed) + panels * panel_bytes;
+  const bool widen = sizeof(Weight) == 1 && M > MR;
   const int64_t num_tiles = widen || sizeof(Weight) == 4 ? (M + MR - 1) / MR : 1;
   const bool prefetch = num_tiles > 1 || (sizeof(Weight) == 1 && M <= 2);
+  const int group = static_cast<int>(panels_per_tile(M));
+  const int64_t groups = group > 1 ? panels / group : 0;
+  const int64_t units = groups + (panels - groups * group);
 #pragma omp parallel
   {
     std::vector<float> widened(widen ? K * NR : 0);
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int cols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+    for (int64_t u = 0; u < units; ++u) {
+      const bool grouped = u < groups;
+      const int64_t p = grouped ? u * group : groups * group + (u - groups);  // the unit's first panel
+      const int64_t unit_panels = grouped ? group : 1;
       const Weight* panel = packed + p * K * NR;
-      const char* next = p + 1 < panels && prefetch ? reinterpret_cast<const char*>(panel + K * NR) : nullptr;
-      const int64_t share = next ? (panel_bytes / 64 + num_tiles - 1) / num_tiles : 0;  // lines per tile
-      float scale[NR] = {};
-      if (scales) std::memcpy(scale, scales + p * NR, cols * sizeof(float));
-      const float* s = scales ? scale : nullptr;
+      const char* next = reinterpret_cast<const char*>(panel + unit_panels * K * NR);
+      const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes, packed_end - next) : 0;
+      const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
+      const float* s = scales ? scales + p * NR : nullptr;
       const float* b = bias ? bias + p * NR : nullptr;
-      if (sizeof(Weight) == 1 && !widen) {
-        tiles_for<Weight>[M](x, ldx, panel, K, y + p * NR, ldy, cols, s, b, accumulate, next, share);
+      const int64_t n_left = N - p * NR;
+      if (M < 4 || (sizeof(Weight) == 1 && !widen)) {  // one tile for all the rows, the weights as they are
+        const Tile<Weight> one = grouped ? wide_tile<Weight>(M) : tiles_for<Weight>[M];
+        one(x, ldx, panel, K, y + p * NR, ldy, n_left, s, b, accumulate, next, next_lines);
         continue;
       }
       const float* fp32_panel = reinterpret_cast<const float*>(panel);
@@ -178,12 +197,13 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed
             reinterpret_cast<const int8_t*>(panel) + i));
         fp32_panel = widened.data();
       }
+      const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
       for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        const int64_t from = std::min(t * share, panel_bytes / 64);
-        const int64_t lines = std::min(share, panel_bytes / 64 - from);
-        tiles_for<float>[rows](x + m * ldx, ldx, fp32_panel, K, y + m * ldy + p * NR, ldy, cols, s, b, accumulate,
-                               next ? next + from * 64 : nullptr, next ? lines : 0);
+        const int64_t from = std::min(t * share, next_lines);
+        const int64_t lines = std::min(share, next_lines - from);
+        tiles_for<float>[rows](x + m * ldx, ldx, fp32_panel, K, y + m * ldy + p * NR, ldy, n_left, s, b, accumulate,
+                               next + from * 64, lines);
       }
     }
   }

@@ -10,7 +10,8 @@ weights (540 MB in float32 for SmolLM2-135M); int8 panels read a quarter of that
 Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
 ``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With
 ``accumulate`` the product is added to ``out``'s values (a fused residual add). Each output is one fp32 sum in k
-order (int8: of ``x * q``, times the channel's scale), then the bias. Threads: the work is split over the calling
+order (int8: of ``x * q``, times the channel's scale), then the bias, whatever the number of rows: a row's result
+does not depend on the rest of the batch. Threads: the work is split over the calling
 thread's OpenMP team (torch's), with the GIL released.
 
 int8 quantisation (``pack(weight, "int8")``): symmetric, per output channel: ``s[n] = max_k |W[n, k]| / 127``,

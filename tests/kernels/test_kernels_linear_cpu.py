@@ -96,6 +96,19 @@ def test_bias_accumulate_and_strided_rows(kernels):
         assert kernels.linear(x[:0], packed).shape == (0, n)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_each_row_is_the_same_whatever_the_batch(kernels, fmt):
+    """Batch invariance: a row's outputs are bit for bit the same alone and at every position of batches of 2 to
+    2 * MR + 1 rows (each output is one sum in k order, whichever tile and panel group computes it)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 5 * kernels.panel_width + 3, 96  # full panel groups, leftover panels and a partial last panel
+    packed = kernels.pack(torch.randn(n, k, generator=gen), fmt)
+    x = torch.randn(25, k, generator=gen)
+    alone = torch.cat([kernels.linear(x[i : i + 1], packed) for i in range(len(x))])
+    for m in range(2, len(x) + 1):
+        assert torch.equal(kernels.linear(x[:m], packed), alone[:m]), f"batch of {m}"
+
+
 def test_contract_violations_raise(kernels):
     w = torch.randn(8, 4)
     packed = kernels.pack(w, "float32")

@@ -8,8 +8,8 @@
 // rotate_half(x) * sin); RMSNorm differs from torch only in the order of its sum of squares; SiLU's exp is
 // cpu_math.h's (about 2e-7 relative error, where torch's is Sleef's).
 //
-// Rows are split over the OpenMP threads of the process (with one thread, the engine's default on CPU, it runs on
-// the caller).
+// Rows are split over the calling thread's OpenMP team (the engine's CPU threads, torch.set_num_threads; with one
+// thread it runs on the caller).
 
 #include <cmath>
 #include <cstdint>

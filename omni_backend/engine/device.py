@@ -40,9 +40,13 @@ class Device:
         return self.torch_device.type == "cuda"
 
     def bind_thread(self) -> None:
-        """Make this device current on the calling thread (CUDA); a no-op on CPU."""
+        """Make this device current on the calling thread. CUDA: the current device. CPU: torch's thread count
+        (`torch.set_num_threads` sets the calling thread's OpenMP team, which the C++ kernels' parallel regions
+        use; a thread that has run no torch parallel op would otherwise have OpenMP's default, every core)."""
         if self.is_cuda:
             torch.cuda.set_device(self.torch_device)
+        else:
+            torch.set_num_threads(torch.get_num_threads())
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes (`cudaMemGetInfo`, all processes counted). CUDA only."""

@@ -61,7 +61,10 @@ def dequantized_model(engine: LLMEngine):
     """transformers' float32 model with the int8 engine's projections and output head as its kernels see them."""
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie from the input table
-    model.load_state_dict(engine.runner.model.cpu_forward.dequantized_weights(), strict=False)
+    missing, unexpected = model.load_state_dict(engine.runner.model.cpu_forward.dequantized_weights(), strict=False)
+    if unexpected or not all("norm" in name or "embed_tokens" in name or "bias" in name for name in missing):
+        raise RuntimeError(f"the engine's weights do not map onto transformers' model: unexpected {unexpected}, "
+                           f"missing {[n for n in missing if 'norm' not in n and 'embed_tokens' not in n]}")
     return model
 
 

@@ -165,7 +165,8 @@ def test_known_projector_embeddings_reach_the_llm_at_placeholder_positions(tmp_p
                                     max_num_batched_tokens=256, max_model_len=256))
     seen = []  # the decoder's input rows: the first layer's input on either path (torch modules or C++ step)
     engine.runner.model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["input_embeds"].clone()), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(None if kwargs.get("input_embeds") is None
+                                                 else kwargs["input_embeds"].clone()), with_kwargs=True)
     positions = out["media_positions"]
     ids = out["input_ids"].tolist()
     engine.add_request("mm", ids, SamplingParams(max_tokens=1, temperature=0.0),
@@ -173,7 +174,7 @@ def test_known_projector_embeddings_reach_the_llm_at_placeholder_positions(tmp_p
                                                   torch.from_numpy(embeds)))
     while engine.has_unfinished():
         engine.step()
-    prefill = seen[0].reshape(-1, hidden)[: len(ids)]
+    prefill = next(x for x in seen if x is not None).reshape(-1, hidden)[: len(ids)]  # the prefill step's rows
     np.testing.assert_array_equal(prefill[positions].numpy(), embeds)
     others = np.delete(np.arange(len(ids)), positions)
     table = engine.runner.model.embed_tokens.weight.detach()

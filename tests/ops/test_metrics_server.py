@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 from chat_client import chat_messages, http_generate, stream_infer
 
+from omni_backend.ops.hardware import cpu_has_native_bf16
 from omni_backend.ops.metrics import admitting, parse_metrics
 from omni_backend.vocabulary import ErrorKind, StageError
 from omni_backend.ops.ready import check
@@ -136,8 +137,10 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     # driver's CUDA is what the fake GPU's NVML reports (FakeNvml's default, 13000: CUDA 13.0)
     import torch
     import triton
+    # matmuls: the C++ float32 step, unless dtype "auto" (this server's) picks bfloat16 on an AVX512-BF16/AMX CPU
+    float32_step = cpu_kernel_buildable and not cpu_has_native_bf16()
     info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="13.0",
-                attention_backend=backend, matmuls="cpu-kernels-float32" if cpu_kernel_buildable else "onednn-packed")
+                attention_backend=backend, matmuls="cpu-kernels-float32" if float32_step else "onednn-packed")
     if cpu_kernel_buildable:
         info["fallback_reason"] = ""
     assert value(after, "omni_runtime_info", **info) == 1

@@ -209,6 +209,21 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed
   }
 }
 
+// packed [ceil(N / NR)][K][NR] = value(n, k) for n < N, zeros in the last panel's padding.
+template <typename Weight, typename Value>
+void pack_panels(int64_t N, int64_t K, Weight* packed, Value value) {
+  const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    Weight* dst = packed + p * K * NR;
+    for (int64_t k = 0; k < K; ++k)
+      for (int c = 0; c < NR; ++c) {
+        const int64_t n = p * NR + c;
+        dst[k * NR + c] = n < N ? value(n, k) : Weight{};
+      }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -218,16 +233,7 @@ int64_t linear_panel_width() { return NR; }
 
 // w [N, K] float32 (row stride ldw) -> packed [ceil(N / NR)][K][NR] float32.
 void linear_pack_f32(const float* w, int64_t N, int64_t K, int64_t ldw, float* packed) {
-  const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    float* dst = packed + p * K * NR;
-    for (int64_t k = 0; k < K; ++k)
-      for (int c = 0; c < NR; ++c) {
-        const int64_t n = p * NR + c;
-        dst[k * NR + c] = n < N ? w[n * ldw + k] : 0.0f;
-      }
-  }
+  pack_panels(N, K, packed, [&](int64_t n, int64_t k) { return w[n * ldw + k]; });
 }
 
 // w [N, K] float32 -> packed [ceil(N / NR)][K][NR] int8 and scales [N] float32 (see the file comment). A row of
@@ -239,18 +245,10 @@ void linear_pack_i8(const float* w, int64_t N, int64_t K, int64_t ldw, int8_t* p
     for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(w[n * ldw + k]));
     scales[n] = top / 127.0f;
   }
-  const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    int8_t* dst = packed + p * K * NR;
-    for (int64_t k = 0; k < K; ++k)
-      for (int c = 0; c < NR; ++c) {
-        const int64_t n = p * NR + c;
-        float q = 0.0f;
-        if (n < N && scales[n] > 0.0f) q = std::nearbyint(w[n * ldw + k] / scales[n]);
-        dst[k * NR + c] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-      }
-  }
+  pack_panels(N, K, packed, [&](int64_t n, int64_t k) {
+    const float q = scales[n] > 0.0f ? std::nearbyint(w[n * ldw + k] / scales[n]) : 0.0f;
+    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  });
 }
 
 // y[M, N] = x[M, K] @ W^T (+ bias) (+ y when accumulate != 0). x rows have stride ldx, y rows stride ldy (floats).

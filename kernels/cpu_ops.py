@@ -77,9 +77,8 @@ class CpuOps(CpuLibrary):
         if kv_heads != num_kv_heads or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv [{t}, {qkv.shape[1]}] does not hold {num_q_heads} + 2 x {num_kv_heads} heads of "
                              f"{head_dim} (cache {tuple(k_cache.shape)})")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.shape != k_cache.shape or c.dtype != torch.float32 or c.device.type != "cpu" or not c.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {tuple(k_cache.shape)}")
+        check_cpu_tensor("k_cache", k_cache, torch.float32, tuple(k_cache.shape))
+        check_cpu_tensor("v_cache", v_cache, torch.float32, tuple(k_cache.shape))
         if head_dim % 2:
             raise ValueError(f"rotary embedding pairs the halves of a head: head_dim must be even, got {head_dim}")
         check_cpu_tensor("cos", cos, torch.float32, (cos.shape[0] if cos.dim() == 2 else -1, head_dim))

@@ -136,18 +136,14 @@ template <typename Weight>
 constexpr const Tile<Weight>* tiles_for = tiles<Weight, 1, 2, 3, 4, 5, 6>;
 #endif
 
-// Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains) and that tile.
-inline int panels_per_tile(int64_t M) { return M == 1 ? 4 : M < 4 ? 2 : 1; }
+// Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains).
+constexpr int panels_per_tile(int64_t M) { return M < 4 ? (4 + M - 1) / M : 1; }
 
+// wide_tiles<Weight>[M]: the tile of M rows over panels_per_tile(M) panels, M in [1, 3].
+template <typename Weight, int... R>
+constexpr Tile<Weight> wide_tiles_of[] = {nullptr, tile<R, panels_per_tile(R), Weight>...};
 template <typename Weight>
-Tile<Weight> wide_tile(int64_t M) {
-  switch (M) {
-    case 1: return tile<1, 4, Weight>;
-    case 2: return tile<2, 2, Weight>;
-    case 3: return tile<3, 2, Weight>;
-    default: return nullptr;
-  }
-}
+constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 
 // The driver of linear_f32 / linear_i8. Work units, split statically over the threads: with M < 4 rows, groups
 // of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one tile; otherwise one
@@ -168,7 +164,7 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed
   const bool widen = sizeof(Weight) == 1 && M > MR;
   const int64_t num_tiles = widen || sizeof(Weight) == 4 ? (M + MR - 1) / MR : 1;
   const bool prefetch = num_tiles > 1 || (sizeof(Weight) == 1 && M <= 2);
-  const int group = static_cast<int>(panels_per_tile(M));
+  const int group = panels_per_tile(M);
   const int64_t groups = group > 1 ? panels / group : 0;
   const int64_t units = groups + (panels - groups * group);
 #pragma omp parallel
@@ -187,7 +183,7 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed
       const float* b = bias ? bias + p * NR : nullptr;
       const int64_t n_left = N - p * NR;
       if (M < 4 || (sizeof(Weight) == 1 && !widen)) {  // one tile for all the rows, the weights as they are
-        const Tile<Weight> one = grouped ? wide_tile<Weight>(M) : tiles_for<Weight>[M];
+        const Tile<Weight> one = grouped ? wide_tiles<Weight>[M] : tiles_for<Weight>[M];
         one(x, ldx, panel, K, y + p * NR, ldy, n_left, s, b, accumulate, next, next_lines);
         continue;
       }

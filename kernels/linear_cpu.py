@@ -142,9 +142,8 @@ class CpuLinearKernels(CpuLibrary):
         if k != packed.in_features:
             raise ValueError(f"x has {k} features, the weight takes {packed.in_features}")
         self.check_packed(packed)
-        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != (n,)
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"bias must be a contiguous float32 CPU tensor of shape ({n},)")
+        if bias is not None:
+            check_cpu_tensor("bias", bias, torch.float32, (n,))
         if out is None:
             if accumulate:
                 raise ValueError("accumulate needs out (the values to add to)")

@@ -23,7 +23,7 @@ if [[ -z "${OMNI_ADMIN_KEY:-}" ]]; then
   OMNI_ADMIN_KEY="$(python -c 'import secrets; print(secrets.token_urlsafe(24))')"
   echo "[omni] operator key for Triton's restricted APIs (header omni-admin-key): $OMNI_ADMIN_KEY"
 fi
-mapfile -t restricted < <(python -c 'import sys; from omni_backend.launch.tritonserver import restricted_api_flags
+mapfile -t restricted < <(python -c 'import sys; from omni_backend.operator_key import restricted_api_flags
 print("\n".join(restricted_api_flags(sys.argv[1])))' "$OMNI_ADMIN_KEY")
 exec tritonserver --model-repository="$repo" \
   --http-port="${OMNI_HTTP_PORT:-8000}" --grpc-port="${OMNI_GRPC_PORT:-8001}" \

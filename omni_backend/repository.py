@@ -1,57 +1,52 @@
 """Model repository settings and rendering.
 
 The tracked `model_repository/<model>/config.pbtxt` files are templates: `${name}` placeholders are filled
-from `Settings` (defaults below, then `OMNI_<NAME>` environment variables, then explicit overrides). Rendering
+from `Settings` (defaults, then `OMNI_<NAME>` environment variables, then explicit overrides). Rendering
 copies every model folder (its `config.pbtxt` rendered, `1/model.py` and other files as they are) to an output
 folder that tritonserver loads with `--model-repository`.
 
-Settings (placeholder name, environment variable, default):
+Every setting is declared once, where it is used (omni_backend/settings.py): the engine's in
+`engine.config.EngineConfig`, the llm stage's in `stages.llm.parameters` (with the governor's, `governor_<field>`),
+the encoders' in `stages.media_encoder.EncoderSettings` (`encoder_<field>`) and the diffusion stage's in
+`stages.diffusion.DiffusionSettings` (`diffusion_<field>`). `Settings` is made from those declarations
+(`SETTING_GROUPS`), the llm model's whole `parameters` block is rendered from them (`${llm_parameters}`), and the
+table in docs/operations.md is `settings_table()` (`python -m omni_backend.repository --table` prints it).
 
-    llm_model_path     OMNI_LLM_MODEL_PATH     <cache>/models/SmolVLM-SmolLM2-135M-Instruct (absolute): SmolLM2 in a
-                                               SmolVLM-architecture folder (setup/tiny_multimodal.py)
-    max_model_len      OMNI_MAX_MODEL_LEN      2048 tokens (prompt + completion)
-    max_num_seqs       OMNI_MAX_NUM_SEQS       32 sequences decoded together
-    kv_cache_bytes     OMNI_KV_CACHE_BYTES     0: the device's default (512 MiB on CPU; on a GPU what
-                                               gpu_memory_utilization leaves); else bytes, on CPU and GPU
-    block_size         OMNI_BLOCK_SIZE         16 tokens per KV-cache block
-    max_num_batched_tokens OMNI_MAX_NUM_BATCHED_TOKENS 1024 tokens per engine step (prefill chunks + decodes)
-    max_queued_requests OMNI_MAX_QUEUED_REQUESTS 256 requests waiting at the llm stage beyond max_num_seqs
-                                               (more are refused: UNAVAILABLE; 0: no limit)
-    device             OMNI_DEVICE             auto (cuda when torch can use it, else cpu); cuda: one llm engine
-                                               per GPU (a KIND_GPU instance group); cuda:N: GPU N only
-    dtype              OMNI_DTYPE              auto
-    attention_backend  OMNI_ATTENTION_BACKEND  auto
-    enforce_eager      OMNI_ENFORCE_EAGER      false (true: never capture CUDA graphs)
-    enable_prefix_caching OMNI_ENABLE_PREFIX_CACHING true (false: every request prefills its whole prompt)
-    cpu_threads        OMNI_CPU_THREADS        0: a CPU llm engine's torch threads are the usable cores - 1 (at
-                                               least 1), a core left for tritonserver and the front door
-    quantization       OMNI_QUANTIZATION       none; int8: weight-only int8 projections and output head, one
-                                               float32 scale per output channel (CPU engines, float32)
-    gpu_memory_utilization OMNI_GPU_MEMORY_UTILIZATION 0.75 of each GPU for its llm engine (weights,
-                                               activations, CUDA graphs, KV cache)
-    encoder_gpu_memory_fraction OMNI_ENCODER_GPU_MEMORY_FRACTION 0.04 of the GPU for each media encoder
-    diffusion_gpu_memory_fraction OMNI_DIFFUSION_GPU_MEMORY_FRACTION 0.08 of the GPU for the diffusion stage
-    diffusion_model_path OMNI_DIFFUSION_MODEL_PATH <cache>/models/tiny-sd-random (diffusers pipeline folder)
-
-Derived placeholder: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
-KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU).
-The GPU shares (ops/gpu_budget.py) sum to 0.91 by default, leaving the rest for every process's CUDA context and
-Triton's memory pools.
+Derived placeholders: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
+KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU), and
+`llm_parameters`. The GPU shares (ops/gpu_budget.py) sum to 0.91 by default, leaving the rest for every process's
+CUDA context and Triton's memory pools.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import filecmp
 import os
 import shutil
 import re
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from omni_backend import paths
+from omni_backend.settings import Spec, declared, operator_name, parse_text, to_text
+from omni_backend.stages.diffusion import DiffusionSettings
+from omni_backend.stages.llm.parameters import SETTING_GROUPS as LLM_SETTING_GROUPS
+from omni_backend.stages.media_encoder import EncoderSettings
 
 
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+SETTING_GROUPS: tuple[tuple[type, str], ...] = (
+    *LLM_SETTING_GROUPS, (EncoderSettings, EncoderSettings.PREFIX), (DiffusionSettings, DiffusionSettings.PREFIX))
+"""Every operator setting the repository renders: (declaring class, name prefix)."""
+
+
+def _declarations() -> dict[str, tuple[dataclasses.Field, Spec]]:
+    """Operator name -> (field, spec) of every operator setting in `SETTING_GROUPS`."""
+    return {operator_name(f, spec, prefix): (f, spec) for cls, prefix in SETTING_GROUPS
+            for f, spec in declared(cls) if spec.operator}
 
 
 def _default_llm_model_path() -> str:
@@ -64,87 +59,44 @@ def _default_diffusion_model_path() -> str:
     return str(paths.models_dir() / "tiny-sd-random")
 
 
-@dataclass
 class Settings:
-    """Values substituted into the `config.pbtxt` templates (all rendered as strings).
+    """Values substituted into the `config.pbtxt` templates: one attribute per operator setting of
+    `SETTING_GROUPS`, named as operators name it (`llm_model_path` for the engine's `model_path`).
 
-    Attributes:
-        llm_model_path: absolute path of the LLM checkpoint (HF layout: config, safetensors, tokenizer).
-        max_model_len: longest sequence, prompt plus completion, in tokens.
-        max_num_seqs: most sequences the engine decodes at once.
-        kv_cache_bytes: bytes reserved for the paged KV cache.
-        block_size: tokens per KV-cache block.
-        max_num_batched_tokens: per-step token budget of the engine (prefill chunks + decodes).
-        max_queued_requests: requests the llm stage holds beyond `max_num_seqs` (waiting to run); a request
-            beyond that is refused at once with UNAVAILABLE "waiting queue is full" (0: no limit).
-        device: "auto", "cpu", "cuda" (every GPU, one llm engine each) or "cuda:N".
-        dtype: weight/activation dtype ("auto", "float32", "float16", "bfloat16").
-        attention_backend: "auto", "cpu", "torch" or "triton".
-        enforce_eager: never capture CUDA graphs.
-        enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (engine/prefix_cache.py).
-        cpu_threads: torch threads of a CPU llm engine (0: usable cores - 1, at least 1).
-        quantization: "none" or "int8" (weight-only, per output channel; CPU engines computing in float32).
-        gpu_memory_utilization: share of each GPU's memory its llm engine may use, in (0, 1].
-        encoder_gpu_memory_fraction, diffusion_gpu_memory_fraction: the other GPU stages' shares, in (0, 1].
-        diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
+    Raises (constructor):
+        ValueError: an unknown name, or a value its setting does not allow (strings are parsed with
+            `settings.parse_text`).
     """
 
-    llm_model_path: str = ""
-    max_model_len: int = 2048
-    max_num_seqs: int = 32
-    kv_cache_bytes: int = 0
-    block_size: int = 16
-    max_num_batched_tokens: int = 1024
-    max_queued_requests: int = 256
-    device: str = "auto"
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    cpu_threads: int = 0
-    quantization: str = "none"
-    gpu_memory_utilization: float = 0.75
-    encoder_gpu_memory_fraction: float = 0.04
-    diffusion_gpu_memory_fraction: float = 0.08
-    diffusion_model_path: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.llm_model_path:
-            self.llm_model_path = _default_llm_model_path()
+    def __init__(self, **values) -> None:
+        declarations = _declarations()
+        unknown = sorted(set(values) - set(declarations))
+        if unknown:
+            raise ValueError(f"unknown repository setting(s): {', '.join(unknown)}; known: {', '.join(declarations)}")
+        values["llm_model_path"] = values.get("llm_model_path") or _default_llm_model_path()
+        values["diffusion_model_path"] = values.get("diffusion_model_path") or _default_diffusion_model_path()
+        for cls, prefix in SETTING_GROUPS:  # each group checks its own values and the rules between them
+            given = {}
+            for f, spec in declared(cls):
+                name = operator_name(f, spec, prefix)
+                if not spec.operator or name not in values:
+                    continue
+                value = values[name]
+                if isinstance(value, str) and spec.kind is not str:
+                    value = parse_text(value, spec, name)
+                problem = spec.problem(value)
+                if problem:
+                    raise ValueError(f"setting {name} {problem}")
+                given[f.name] = value
+            group = cls(**given)
+            for f, spec in declared(cls):
+                if spec.operator:
+                    setattr(self, operator_name(f, spec, prefix), getattr(group, f.name))
         self.llm_model_path = str(Path(self.llm_model_path).expanduser().absolute())
-        if not self.diffusion_model_path:
-            self.diffusion_model_path = _default_diffusion_model_path()
         self.diffusion_model_path = str(Path(self.diffusion_model_path).expanduser().absolute())
-        positive = ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens")
-        for name in positive + ("max_queued_requests", "kv_cache_bytes", "cpu_threads"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                try:
-                    value = int(value)
-                except ValueError:
-                    raise ValueError(f"setting {name} must be an integer, got {value!r}") from None
-            low = 1 if name in positive else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                kind = "a positive integer" if low else "an integer >= 0"
-                raise ValueError(f"setting {name} must be {kind}, got {value!r}")
-            setattr(self, name, value)
-        for name in ("gpu_memory_utilization", "encoder_gpu_memory_fraction", "diffusion_gpu_memory_fraction"):
-            value = getattr(self, name)
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"setting {name} must be a number in (0, 1], got {value!r}") from None
-            if isinstance(getattr(self, name), bool) or not 0.0 < value <= 1.0:
-                raise ValueError(f"setting {name} must be a number in (0, 1], got {getattr(self, name)!r}")
-            setattr(self, name, value)
-        for name in ("enforce_eager", "enable_prefix_caching"):
-            value = getattr(self, name)
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-                value = value.lower() in ("true", "1")
-            if not isinstance(value, bool):
-                raise ValueError(f"setting {name} must be true or false, got {value!r}")
-            setattr(self, name, value)
-        llm_instance_group(self.device, cuda_available=lambda: False)  # validates the device's form
+
+    def __repr__(self) -> str:
+        return f"Settings({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     @classmethod
     def load(cls, overrides: dict | None = None, environ: dict | None = None) -> "Settings":
@@ -154,22 +106,43 @@ class Settings:
             ValueError: an unknown setting name in `overrides`, or a value of the wrong kind.
         """
         environ = os.environ if environ is None else environ
-        known = [f.name for f in fields(cls)]
-        values = {name: environ[f"OMNI_{name.upper()}"] for name in known if environ.get(f"OMNI_{name.upper()}")}
-        overrides = dict(overrides or {})
-        unknown = sorted(set(overrides) - set(known))
-        if unknown:
-            raise ValueError(f"unknown repository setting(s): {', '.join(unknown)}; known: {', '.join(known)}")
-        values.update(overrides)
+        values = {name: environ[f"OMNI_{name.upper()}"] for name in _declarations()
+                  if environ.get(f"OMNI_{name.upper()}")}
+        values.update(overrides or {})
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:
-        """Placeholder name -> text substituted into templates (booleans as "true"/"false"), with the derived
-        `llm_instance_group`."""
-        values = {name: str(value).lower() if isinstance(value, bool) else str(value)
-                  for name, value in asdict(self).items()}
+        """Placeholder name -> text substituted into templates (`settings.to_text`), with the derived
+        `llm_instance_group` and `llm_parameters`."""
+        values = {name: to_text(value) for name, value in vars(self).items()}
         values["llm_instance_group"] = llm_instance_group(self.device)
+        values["llm_parameters"] = self.llm_parameters()
         return values
+
+    def llm_parameters(self) -> str:
+        """The llm model's `parameters` block: every setting of `stages.llm.parameters.SETTING_GROUPS` under its
+        key (field name, prefixed), one line each; settings only code sets keep their defaults."""
+        lines = []
+        for cls, prefix in LLM_SETTING_GROUPS:
+            for f, spec in declared(cls):
+                if not spec.operator:
+                    continue
+                value = to_text(getattr(self, operator_name(f, spec, prefix)))
+                escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+                lines.append(f'parameters {{ key: "{prefix}{f.name}" value: {{ string_value: "{escaped}" }} }}')
+        return "\n".join(lines)
+
+
+def settings_table() -> str:
+    """docs/operations.md's table of the repository settings: environment variable, default, what it is."""
+    defaults = Settings.load(environ={})
+    cache = str(paths.cache_dir())
+    rows = ["| environment | default | allowed | |", "| --- | --- | --- | --- |"]
+    for name, (_, spec) in _declarations().items():
+        default = to_text(getattr(defaults, name)).replace(cache, ".cache")
+        rows.append(f"| `OMNI_{name.upper()}` | {f'`{default}`' if default else '(empty)'} | {spec.allowed()} | "
+                    f"{spec.doc} |")
+    return "\n".join(rows)
 
 
 def _torch_cuda_available() -> bool:
@@ -216,13 +189,15 @@ def render_config(template: str, settings: Settings, source: str = "config.pbtxt
     Raises:
         ValueError: the template names a placeholder that is not a setting (message names file and key).
     """
-    values = {k: v.replace("\\", "\\\\").replace('"', '\\"') for k, v in settings.as_strings().items()}
+    values = settings.as_strings()
+    escaped = {k: v.replace("\\", "\\\\").replace('"', '\\"') for k, v in values.items()}
+    escaped["llm_parameters"] = values["llm_parameters"]  # lines of protobuf text, escaped inside
 
     def substitute(match: re.Match) -> str:
         name = match.group(1)
-        if name not in values:
+        if name not in escaped:
             raise ValueError(f"{source}: unknown placeholder ${{{name}}}; settings: {', '.join(values)}")
-        return values[name]
+        return escaped[name]
 
     return _PLACEHOLDER.sub(substitute, template)
 
@@ -291,3 +266,10 @@ def _same_tree(a: Path, b: Path) -> bool:
     if mismatch or errors:
         return False
     return all(_same_tree(a / d, b / d) for d in comparison.common_dirs)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Print the repository settings table of docs/operations.md.")
+    parser.add_argument("--table", action="store_true", required=True)
+    parser.parse_args()
+    print(settings_table())

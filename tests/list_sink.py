@@ -6,7 +6,7 @@ import threading
 
 
 class ListSink:
-    """Implements omni_backend.stages.llm.ResponseSink in memory; set `cancelled` to simulate a client cancel."""
+    """Implements omni_backend.stages.llm.outputs.ResponseSink in memory; set `cancelled` to simulate a client cancel."""
 
     def __init__(self):
         self.outputs = []

@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from omni_backend import paths
-from omni_backend.setup.torch_flavor import FLAVORS, TORCH_VERSION
+from omni_backend.ops.torch_flavor import FLAVORS, TORCH_VERSION
 
 REQUIREMENTS = paths.PROJECT_ROOT / "requirements.txt"
 

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from omni_backend.engine.limits import ContextLengthExceeded
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.setup import smollm2
 from omni_backend.stages.preprocess import Preprocessor, parse_messages
@@ -107,10 +108,10 @@ def test_bad_input_raises_value_error_naming_it(preprocessor, arrays, fragment):
 
 def test_context_length_message_counts_tokens(preprocessor):
     prompt_tokens = len(preprocessor.tokenizer("word " * 2000).input_ids)
-    with pytest.raises(StageError) as excinfo:
+    with pytest.raises(ContextLengthExceeded) as excinfo:
         preprocessor.run(request("word " * 2000, max_tokens=100))
-    assert excinfo.value.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED
+    assert StageError.of(excinfo.value, "preprocess").kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED
     assert str(excinfo.value) == (
-        f"maximum context length is {MAX_MODEL_LEN} tokens, you requested {prompt_tokens + 100} tokens "
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens, you requested {prompt_tokens + 100} tokens "
         f"({prompt_tokens} in the prompt, 100 for the completion)"
     )

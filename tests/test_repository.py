@@ -28,13 +28,15 @@ def test_environment_then_overrides():
 
 @pytest.mark.parametrize("overrides, fragment", [
     ({"max_model_length": 5}, "unknown repository setting"),
-    ({"max_model_len": 0}, "max_model_len must be a positive integer"),
-    ({"kv_cache_bytes": "lots"}, "kv_cache_bytes must be an integer"),
-    ({"max_queued_requests": -1}, "max_queued_requests must be an integer >= 0, got -1"),
-    ({"gpu_memory_utilization": "1.5"}, "gpu_memory_utilization must be a number in \\(0, 1\\]"),
-    ({"diffusion_gpu_memory_fraction": 0}, "diffusion_gpu_memory_fraction must be a number in"),
-    ({"enforce_eager": "maybe"}, "enforce_eager must be true or false"),
-    ({"device": "gpu"}, "device must be auto, cpu, cuda or cuda:N"),
+    ({"max_model_len": 0}, "setting max_model_len must be an integer >= 1, got 0"),
+    ({"kv_cache_bytes": "lots"}, "setting kv_cache_bytes must be an integer >= 0, got 'lots'"),
+    ({"max_queued_requests": -1}, "setting max_queued_requests must be an integer >= 0, got -1"),
+    ({"gpu_memory_utilization": "1.5"}, "setting gpu_memory_utilization must be a number in \\(0, 1\\], got '1.5'"),
+    ({"diffusion_gpu_memory_fraction": 0}, "setting diffusion_gpu_memory_fraction must be a number in \\(0, 1\\]"),
+    ({"enforce_eager": "maybe"}, "setting enforce_eager must be true or false, got 'maybe'"),
+    ({"device": "gpu"}, "setting device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    ({"quantization": "int8", "dtype": "bfloat16"}, "quantization int8 computes in float32"),
+    ({"governor_power_fraction": "2"}, "setting governor_power_fraction must be a number in \\(0, 1\\]"),
 ])
 def test_bad_settings_are_rejected(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -1,4 +1,9 @@
-"""Engine configuration: model location, KV-cache size and batching limits."""
+"""Engine configuration: every setting of one LLM engine, declared once (omni_backend/settings.py).
+
+The model repository renders these fields into the llm model's `config.pbtxt` parameters and reads them from
+`OMNI_<NAME>` (omni_backend/repository.py); the llm stage parses them back with `EngineConfig.from_strings`;
+docs/operations.md's settings table is generated from the same declarations.
+"""
 
 from __future__ import annotations
 
@@ -6,78 +11,85 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_backend import settings
+from omni_backend.ops.hardware import resolve_device
+from omni_backend.settings import setting
+
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 
 
 @dataclass
 class EngineConfig:
-    """Settings of one LLM engine instance.
+    """Settings of one LLM engine instance (each field's doc is its `setting`'s; cross-field rules below).
 
-    Attributes:
-        model_path: local Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files).
-        device: "cpu" or "cuda[:n]".
-        dtype: "auto", "float32", "float16" or "bfloat16"; "auto" picks by device (see `ops.hardware`).
-        block_size: tokens per KV-cache block.
-        kv_cache_bytes: bytes for the KV cache (both K and V, all layers), on CPU and GPU; None: the device's
-            default (512 MiB on CPU; on a GPU what `gpu_memory_utilization` leaves, see engine/memory.py).
-        gpu_memory_utilization: fraction of the GPU's total memory this engine may use (weights, activations,
-            CUDA graphs and KV cache), in (0, 1].
-        num_kv_blocks: overrides both budgets when set (tests use tiny caches).
-        max_num_seqs: most sequences in one step; also the rows of the block-table pool.
-        max_num_batched_tokens: per-step token budget (prefill chunks + decodes), tokens.
-        max_model_len: longest prompt + completion, tokens (capped by the model's max positions).
-        attention_backend: "auto", "cpu", "torch" or "triton" (see `omni_backend.engine.attention`).
-        enforce_eager: never capture CUDA graphs.
-        cpu_threads: torch intra-op threads of a CPU engine, set for the whole process; 0: torch's count as it is
-            (an offline engine). The llm stage turns its 0 into the usable cores minus one
-            (`ops.hardware.cpu_engine_threads`). Ignored on a GPU.
-        enable_prefix_caching: reuse the KV blocks of prompt prefixes already computed (engine/prefix_cache.py).
-        quantization: "none", or "int8": weight-only int8 projections and output head with one float32 scale per
-            output channel, activations in float32 (`kernels/linear_cpu.py`); CPU engines only, with dtype
-            "auto" (which then means float32) or "float32".
+    Rules between fields: max_num_batched_tokens >= max_num_seqs; quantization int8 computes in float32 (dtype auto
+    or float32) on CPU engines only. An engine resolves `device` "auto" when it is built (`torch_device`); the llm
+    stage resolves it per Triton instance first (stages/llm/parameters.py).
+
+    Raises:
+        ValueError: a field outside what its setting allows, or a broken rule between fields (naming them).
     """
 
-    model_path: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 2048
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    cpu_threads: int = 0
-    enable_prefix_caching: bool = True
-    quantization: str = "none"
+    model_path: str = setting("", "checkpoint folder in Hugging Face layout (config.json, safetensors, tokenizer)",
+                              name="llm_model_path")
+    device: str = setting("auto", "auto (cuda when torch can use it, else cpu), cpu, cuda (one llm engine per GPU) "
+                          "or cuda:N", pattern=DEVICE_PATTERN, forms="auto, cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "weights and activations; auto picks by device (ops/hardware.py)", choices=DTYPES)
+    block_size: int = setting(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
+    kv_cache_bytes: int = setting(0, "paged KV cache (K and V, all layers), bytes; 0: 512 MiB on CPU, on a GPU what "
+                                  "gpu_memory_utilization leaves (engine/memory.py)", low=0)
+    gpu_memory_utilization: float = setting(0.75, "share of each GPU its llm engine may use (weights, activations, "
+                                            "CUDA graphs, KV cache)", low=0.0, low_open=True, high=1.0)
+    num_kv_blocks: int | None = setting(None, "KV blocks, overriding both budgets (tests use tiny caches)", kind=int,
+                                        low=1, optional=True, operator=False)
+    max_num_seqs: int = setting(32, "most sequences in one step; also the rows of the block-table pool", low=1)
+    max_num_batched_tokens: int = setting(1024, "per-step token budget (prefill chunks + decodes)", low=1)
+    max_model_len: int = setting(2048, "longest prompt + completion, tokens (capped by the model's max positions)",
+                                 low=1)
+    attention_backend: str = setting("auto", "auto, cpu, torch or triton (engine/attention.py)",
+                                     choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = setting(False, "true: never capture CUDA graphs (decode runs eagerly)")
+    cpu_threads: int = setting(0, "a CPU engine's torch threads; 0: in the llm stage the usable cores minus one "
+                               "(at least 1), a core left for tritonserver and the front door; offline: torch's "
+                               "count as it is", low=0)
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes already computed "
+                                          "(engine/prefix_cache.py)")
+    quantization: str = setting("none", "int8: weight-only int8 projections and output head, one float32 scale per "
+                                "output channel (CPU engines computing in float32; kernels/linear_cpu.py)",
+                                choices=QUANTIZATIONS)
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        settings.check(self)
+        if not self.model_path:
+            raise ValueError("setting model_path is required (a checkpoint folder)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("need max_num_batched_tokens >= max_num_seqs")
         if self.quantization != "none" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} computes in float32; dtype {self.dtype} is not that")
-        if self.quantization != "none" and self.device != "cpu":
+        if self.quantization != "none" and self.device not in ("cpu", "auto"):
             raise ValueError(f"quantization {self.quantization} runs on CPU engines only (device {self.device})")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend}")
+
+    @classmethod
+    def from_strings(cls, strings: dict[str, str], **given) -> "EngineConfig":
+        """From a Triton config's string parameters keyed by field name (settings.from_strings); `given` values
+        (e.g. the resolved device) win.
+
+        Raises:
+            ValueError: a malformed value or a broken rule.
+        """
+        return settings.from_strings(cls, strings, **given)
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+        """The engine's device, "auto" resolved (ops.hardware.resolve_device: CUDA when torch can use it).
+
+        Raises:
+            RuntimeError: an explicit CUDA device torch cannot use.
+        """
+        return torch.device(resolve_device(self.device))
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -4,7 +4,7 @@ CUDA keeps a *current device* per host thread, and OpenAI-Triton launches its ke
 current stream (not on the device of the tensors it is given), so a `cuda:1` engine whose threads leave the
 current device at 0 would launch kernels with device-1 pointers into device 0's context. The engine therefore
 binds its device (`torch.cuda.set_device`) on every thread that builds, captures or steps it: the thread that
-builds the engine, and the engine loop (omni_backend/stages/llm.py). On CPU binding does nothing.
+builds the engine, and the engine loop (omni_backend/stages/llm/core.py). On CPU binding does nothing.
 
 Host-to-device copies of per-step inputs go through `HostToDeviceStaging`: one page-locked host buffer and one
 asynchronous copy, instead of `torch.tensor(list).to(device)` per input, each of which stages through pageable

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.detokenizer import IncrementalDetokenizer
+from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.model_runner import ModelRunner
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.scheduler import Scheduler
@@ -97,12 +98,11 @@ class LLMEngine:
     Raises (constructor): what ModelRunner raises.
     """
 
-    def __init__(self, config: EngineConfig, max_waiting: int | None = None):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config)  # first: it names an unsupported architecture
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_waiting)
+        self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids(config.model_path)
         self.requests: dict[str, _RequestState] = {}
         self.num_steps = 0
@@ -126,40 +126,59 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never be served: a token id outside the vocabulary, or too long
-        for the model or the whole cache."""
+    @property
+    def hidden_size(self) -> int:
+        """Width of the model's input embeddings (a `prompt_embeds` row)."""
+        return self.runner.model.embed_tokens.weight.shape[1]
+
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt_embeds: PromptEmbeds | None = None) -> Sequence:
+        """A request checked against this engine, as the Sequence `add_sequence` queues. It reads only what never
+        changes after construction, so another thread than the engine loop's may call it (the llm stage does, to
+        refuse a request before it is queued).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, prompt embeddings of the wrong shape
+                or at positions outside the prompt, or more tokens than the whole KV cache holds.
+            ContextLengthExceeded: prompt + max_tokens over max_model_len.
+        """
         num_prompt_tokens = len(prompt_token_ids)
-        total = num_prompt_tokens + params.max_tokens
         if num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model.embed_tokens.num_embeddings
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_token_ids)}.."
                              f"{max(prompt_token_ids)}")
-        if total > self.config.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, you "
-                             f"requested {total} tokens ({num_prompt_tokens} in the prompt, {params.max_tokens} "
-                             f"for the completion)")
+        if prompt_embeds is not None:
+            prompt_embeds.check(num_prompt_tokens, self.hidden_size)
+        check_context_length(self.config.max_model_len, num_prompt_tokens, params.max_tokens)
+        total = num_prompt_tokens + params.max_tokens
         cache_tokens = self.runner.num_blocks * self.config.block_size
         if total > cache_tokens:
             raise ValueError(f"request needs {total} tokens of KV cache, the whole cache holds {cache_tokens}")
+        return Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a request made by `make_sequence`.
+
+        Raises:
+            ValueError: a request with this id is already in the engine.
+        """
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id}")
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop)
+        self.requests[seq.request_id] = _RequestState(seq, detok)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt_embeds: PromptEmbeds | None = None) -> None:
-        """Queue a request; `prompt_embeds` replaces the token embeddings at given prompt positions.
+        """`add_sequence(make_sequence(...))`: queue a request; `prompt_embeds` replaces the token embeddings at
+        given prompt positions.
 
         Raises:
-            ValueError: duplicate id, empty prompt, or a request that can never fit.
-            OverflowError: the waiting queue is full.
+            what `make_sequence` and `add_sequence` raise.
         """
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id}")
-        self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds)
-        self.scheduler.add(seq)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
-        self.requests[request_id] = _RequestState(seq, detok)
+        self.add_sequence(self.make_sequence(request_id, prompt_token_ids, params, prompt_embeds))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, None if unknown."""

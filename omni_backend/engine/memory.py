@@ -65,28 +65,30 @@ class KVCachePlan:
         return self.num_blocks * self.block_bytes
 
 
-def plan_kv_cache(block_bytes: int, *, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                  gpu: GpuMemoryProfile | None = None, gpu_memory_utilization: float = 0.85) -> KVCachePlan:
+def plan_kv_cache(block_bytes: int, *, num_kv_blocks: int | None = None, kv_cache_bytes: int = 0,
+                  gpu: GpuMemoryProfile | None = None, gpu_memory_utilization: float | None = None) -> KVCachePlan:
     """The KV cache size (see the module docstring for the rules).
 
     Args:
         block_bytes: bytes of one block (`kv_block_bytes`).
         num_kv_blocks: explicit block count, or None.
-        kv_cache_bytes: explicit budget in bytes, or None for the device default.
+        kv_cache_bytes: explicit budget in bytes, or 0 for the device default.
         gpu: the profile of a GPU engine; None on CPU.
-        gpu_memory_utilization: fraction of the GPU's total memory this engine may use, in (0, 1].
+        gpu_memory_utilization: fraction of the GPU's total memory this engine may use, in (0, 1] (EngineConfig's
+            setting); needed with `gpu` when neither count nor bytes are given.
 
     Raises:
-        ValueError: the budget holds no block (the message gives the numbers and what to change).
+        ValueError: the budget holds no block (the message gives the numbers and what to change), or a GPU plan
+            without `gpu_memory_utilization`.
     """
     if num_kv_blocks is not None:
         plan = KVCachePlan(num_kv_blocks, block_bytes, "num_kv_blocks setting")
-    elif kv_cache_bytes is not None:
+    elif kv_cache_bytes:
         plan = KVCachePlan(kv_cache_bytes // block_bytes, block_bytes, f"kv_cache_bytes setting ({kv_cache_bytes})")
     elif gpu is None:
         plan = KVCachePlan(CPU_DEFAULT_KV_CACHE_BYTES // block_bytes, block_bytes, "CPU default (512 MiB)")
     else:
-        if not 0.0 < gpu_memory_utilization <= 1.0:
+        if gpu_memory_utilization is None or not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         share = int(gpu.total * gpu_memory_utilization) - gpu.peak_torch - gpu.graph_pool - GPU_HEADROOM_BYTES
         activations = gpu.peak_torch - gpu.weights

@@ -93,7 +93,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = Device(config.device)
+        self.device = Device(str(config.torch_device))
         self.device.bind_thread()
         if not self.device.is_cuda:
             if config.cpu_threads:
@@ -123,7 +123,7 @@ class ModelRunner:
         capture = self._graphs_wanted()
         block_bytes = kv_block_bytes(hf_config, config.block_size, self.dtype)
         profile = None
-        if self.device.is_cuda and config.num_kv_blocks is None and config.kv_cache_bytes is None:
+        if self.device.is_cuda and config.num_kv_blocks is None and not config.kv_cache_bytes:
             profile = self._profile_gpu_memory(capture)
         plan = plan_kv_cache(block_bytes, num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
                              gpu=profile, gpu_memory_utilization=config.gpu_memory_utilization)

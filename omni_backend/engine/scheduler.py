@@ -145,7 +145,6 @@ class Scheduler:
         block_manager: KV block allocator.
         max_num_seqs: most sequences in one step (capacity; `set_num_seqs_limit` lowers it at run time).
         max_num_batched_tokens: per-step token budget.
-        max_waiting: bound on the waiting queue (None: unbounded); `add` raises OverflowError past it.
 
     Attributes:
         waiting: sequences not running, preempted ones first, then in arrival order.
@@ -157,15 +156,13 @@ class Scheduler:
         num_preemptions: preemptions so far.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int | None = None):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.num_seqs_limit = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.token_budget = max_num_batched_tokens  # this step's budget: lowered for a while after an OOM
         self._steps_to_restore = 0
-        self.max_waiting = max_waiting
         self.watermark_blocks = watermark_blocks(block_manager.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -174,9 +171,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises OverflowError when the waiting queue is full."""
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-            raise OverflowError(f"waiting queue is full ({self.max_waiting} requests)")
+        """Queue a new sequence (the llm stage bounds how many requests it holds: LLMService.capacity)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

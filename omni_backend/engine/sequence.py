@@ -28,13 +28,16 @@ class PromptEmbeds:
         self.positions = positions.to(torch.int64).reshape(-1)
         self.embeds = embeds
 
-    def check(self, num_prompt_tokens: int) -> None:
-        """Raises ValueError when shapes disagree or a position is outside the prompt."""
-        if self.embeds.dim() != 2 or self.embeds.shape[0] != self.positions.numel():
-            raise ValueError(f"prompt embeds must be [{self.positions.numel()}, hidden], "
-                             f"got {tuple(self.embeds.shape)}")
+    def check(self, num_prompt_tokens: int, hidden_size: int) -> None:
+        """Raises ValueError when the embeddings are not [k, hidden_size] for the k positions, or a position is
+        outside the prompt or given twice."""
+        if self.embeds.dim() != 2 or tuple(self.embeds.shape) != (self.positions.numel(), hidden_size):
+            raise ValueError(f"prompt_embeds must be [{self.positions.numel()}, {hidden_size}] (one row of the "
+                             f"model's hidden size per position), got {list(self.embeds.shape)}")
         if self.positions.numel() and (self.positions.min() < 0 or self.positions.max() >= num_prompt_tokens):
-            raise ValueError(f"prompt embed positions must lie in [0, {num_prompt_tokens})")
+            raise ValueError(f"prompt_embed_positions must lie in [0, {num_prompt_tokens})")
+        if torch.unique(self.positions).numel() != self.positions.numel():
+            raise ValueError("prompt_embed_positions must be distinct")
 
     def in_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions - start, embeds) for positions in [start, end)."""
@@ -63,10 +66,6 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
                  prompt_embeds: "PromptEmbeds | None" = None):
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        if prompt_embeds is not None:
-            prompt_embeds.check(len(prompt_token_ids))
         self.prompt_embeds = prompt_embeds
         self.request_id = request_id
         self.params = params

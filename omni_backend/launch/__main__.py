@@ -17,7 +17,8 @@ import threading
 from omni_backend import paths
 from omni_backend.serving.config import ServingConfig
 from omni_backend.launch.front_door import FrontDoorProcess
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, TritonServer, TritonServerError
+from omni_backend.launch.tritonserver import TritonServer, TritonServerError
+from omni_backend.operator_key import ADMIN_KEY_HEADER
 
 USAGE = """\
 omni_chat is ready. Try:

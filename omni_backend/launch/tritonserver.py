@@ -23,33 +23,9 @@ import urllib.request
 from pathlib import Path
 
 from omni_backend import paths
+from omni_backend.operator_key import restricted_api_flags
 from omni_backend.ops.memory_env import memory_environment
 from omni_backend.setup import runtime as runtime_layout
-
-
-ADMIN_KEY_HEADER = "omni-admin-key"
-GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # the gRPC metadata key 2.51 checks
-
-
-def restricted_api_flags(admin_key: str) -> list[str]:
-    """tritonserver flags that close RESTRICTED_APIS over HTTP and gRPC to all but holders of `admin_key`
-    (Triton's `--http-restricted-api=<apis>:<header>=<value>`; docker/entrypoint.sh uses them too)."""
-    apis = ",".join(RESTRICTED_APIS)
-    return [f"--http-restricted-api={apis}:{ADMIN_KEY_HEADER}={admin_key}",
-            f"--grpc-restricted-protocol={apis}:{ADMIN_KEY_HEADER}={admin_key}"]
-RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory")
-
-
-def admin_key_of(flags: dict[str, str]) -> str | None:
-    """The operator's key in a tritonserver's flags (name without dashes -> value, as
-    `omni_backend.stages.llm.tritonserver_flags` reads a command line): what `restricted_api_flags` gives the
-    `omni-admin-key` header. None when no restricted-API flag names that header."""
-    for name in ("grpc-restricted-protocol", "http-restricted-api"):
-        _, _, rule = flags.get(name, "").partition(":")  # "<apis>:<header>=<key>"
-        header, _, key = rule.partition("=")
-        if header == ADMIN_KEY_HEADER and key:
-            return key
-    return None
 
 
 # Triton log lines: severity letter + MMDD, e.g. "E1130 12:20:40.581361 4748 model_lifecycle.cc:642] ...".
@@ -91,7 +67,7 @@ class TritonServer:
         log_verbose: `--log-verbose` level (0 = off).
         extra_args: more tritonserver flags, e.g. `["--model-control-mode=explicit", "--load-model=preprocess"]`.
         env: environment changes for the server and its stubs (a None value removes the variable).
-        admin_key: the operator's key for the restricted APIs (RESTRICTED_APIS); None: `OMNI_ADMIN_KEY`, else a
+        admin_key: the operator's key for the restricted APIs (operator_key.RESTRICTED_APIS); None: `OMNI_ADMIN_KEY`, else a
             random one (`admin_key_generated` is then True; the caller shows it once).
     """
 

@@ -21,8 +21,9 @@ import logging
 import math
 from dataclasses import dataclass
 
+from omni_backend import settings
 from omni_backend.ops.hardware import GpuInfo, GpuReading, Nvml, NvmlUnavailable
-from omni_backend.vocabulary import ErrorKind, StageError
+from omni_backend.settings import setting
 
 logger = logging.getLogger(__name__)
 
@@ -38,55 +39,41 @@ class GovernorState(enum.IntEnum):
     NOT_ADMITTING = 3  # critical temperature: new requests refused
 
 
-class NotAdmitting(StageError):
-    """A new request arrived while the governor refuses admission (error kind NOT_ADMITTING: Triton UNAVAILABLE,
-    HTTP 503 with Retry-After `retry_after_s`)."""
-
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(ErrorKind.NOT_ADMITTING, message, retry_after_s=retry_after_s)
-
-
 @dataclass
 class GovernorConfig:
-    """Thresholds (None: derived from the GPU, see the module docstring).
+    """Thresholds, each a setting (omni_backend/settings.py) of the llm stage under the name `governor_<field>`;
+    None: derived from the GPU (see the module docstring)."""
 
-    Attributes:
-        power_threshold_w: lower sequences per step above this draw (W).
-        power_fraction: threshold as a fraction of the enforced power limit when power_threshold_w is None.
-        hysteresis_w: restore only below threshold - hysteresis (default 5 % of the power limit).
-        critical_temp_c: stop admitting at or above this (C).
-        temp_hysteresis_c: admit again below critical - this.
-        min_num_seqs: lowest sequences per step the governor goes to.
-        step_fraction: one adjustment, as a fraction of max_num_seqs (at least one sequence).
-        interval_s: seconds between readings (NVML averages power over about a second; one adjustment per
-            reading gives the GPU time to respond).
-        retry_after_s: what rejected clients are told to wait.
-    """
+    power_threshold_w: float | None = setting(None, "lower sequences per step above this draw, W; empty: "
+                                              "power_fraction x the enforced power limit", kind=float, low=0.0,
+                                              low_open=True, optional=True)
+    power_fraction: float = setting(0.9, "the power threshold as a fraction of the enforced power limit", low=0.0,
+                                    low_open=True, high=1.0)
+    hysteresis_w: float | None = setting(None, "restore sequences only below threshold - this, W; empty: 5 % of the "
+                                         "power limit", kind=float, low=0.0, optional=True)
+    critical_temp_c: float | None = setting(None, "refuse new requests at or above this GPU temperature, C; empty: "
+                                            "the GPU's slowdown threshold, else 85", kind=float, optional=True)
+    temp_hysteresis_c: float = setting(5.0, "admit again below the critical temperature - this, C", low=0.0)
+    min_num_seqs: int = setting(1, "the fewest sequences per step the governor goes down to", low=1)
+    step_fraction: float = setting(0.25, "one adjustment, as a fraction of max_num_seqs (at least one sequence)",
+                                   low=0.0, low_open=True, high=1.0)
+    interval_s: float = setting(0.5, "seconds between NVML readings (NVML averages power over about a second; one "
+                                "adjustment per reading gives the GPU time to respond)", low=0.0)
+    retry_after_s: int = setting(10, "seconds refused clients are told to wait (Retry-After)", low=0)
 
-    power_threshold_w: float | None = None
-    power_fraction: float = 0.9
-    hysteresis_w: float | None = None
-    critical_temp_c: float | None = None
-    temp_hysteresis_c: float = 5.0
-    min_num_seqs: int = 1
-    step_fraction: float = 0.25
-    interval_s: float = 0.5
-    retry_after_s: int = 10
+    PREFIX = "governor_"  # the settings' names: governor_<field>
+
+    def __post_init__(self) -> None:
+        settings.check(self)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "GovernorConfig":
-        """From a Triton config's `governor_<field>` string parameters (empty: default). Raises ValueError."""
-        values = {}
-        for name, kind in (("power_threshold_w", float), ("power_fraction", float), ("hysteresis_w", float),
-                           ("critical_temp_c", float), ("temp_hysteresis_c", float), ("min_num_seqs", int),
-                           ("step_fraction", float), ("interval_s", float), ("retry_after_s", int)):
-            text = parameters.get(f"governor_{name}", "")
-            if text != "":
-                try:
-                    values[name] = kind(text)
-                except ValueError:
-                    raise ValueError(f"governor_{name} must be a number, got {text!r}") from None
-        return cls(**values)
+        """From a Triton config's `governor_<field>` string parameters (empty: default).
+
+        Raises:
+            ValueError: a value the setting does not allow, naming it.
+        """
+        return settings.from_strings(cls, parameters, cls.PREFIX)
 
 
 class Governor:
@@ -186,10 +173,11 @@ class Governor:
             logger.warning("governor: %s -> %s (%.0f W, %.0f C, %d sequences per step)", before.name,
                            self.state.name, reading.power_w, reading.temperature_c, self.num_seqs)
 
-    def check_admission(self) -> None:
-        """Raise NotAdmitting while the GPU is at its critical temperature (called for each new request)."""
-        if not self.admitting:
-            temperature = self.reading.temperature_c if self.reading else float("nan")
-            raise NotAdmitting(f"not admitting new requests: GPU temperature {temperature:.0f} C is at or above "
-                               f"the critical {self.critical_temp_c:.0f} C; retry after "
-                               f"{self.config.retry_after_s} s", self.config.retry_after_s)
+    def refusal(self) -> str | None:
+        """Why a new request is refused now (the GPU is at its critical temperature), None while admitting; the
+        llm stage asks for each new request and answers NOT_ADMITTING with Retry-After `config.retry_after_s`."""
+        if self.admitting:
+            return None
+        temperature = self.reading.temperature_c if self.reading else float("nan")
+        return (f"not admitting new requests: GPU temperature {temperature:.0f} C is at or above the critical "
+                f"{self.critical_temp_c:.0f} C; retry after {self.config.retry_after_s} s")

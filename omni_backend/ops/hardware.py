@@ -13,7 +13,7 @@ or the fake when `OMNI_NVML_FAKE` names a JSON file of readings (a test and demo
 
 Device resolution (`resolve_device`) never falls back silently: "auto" on a machine whose GPUs NVML sees but torch
 cannot use logs a WARNING with torch's and the driver's CUDA versions and the fix (the torch flavour to install,
-`omni_backend.setup.torch_flavor`), and an explicit "cuda" raises. `runtime_versions` names what runs (torch, its
+`omni_backend.ops.torch_flavor`), and an explicit "cuda" raises. `runtime_versions` names what runs (torch, its
 CUDA, the driver's CUDA, triton and the triton torch declares) for metrics and messages.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_backend.setup import torch_flavor
+from omni_backend.ops import torch_flavor
 
 log = logging.getLogger(__name__)
 

@@ -254,7 +254,7 @@ class StageHeartbeat:
     as long as the stub process lives, so a killed stub's heartbeat goes stale within STALE_AFTER_S and
     readiness (`stages_ready`, `python -m omni_backend.ops.ready`) turns false without waiting for a request to
     meet the dead stage. It shows that the process lives, not that its `execute` makes progress (the llm
-    stage's heartbeat also stops when its loops hang; see omni_backend/stages/llm.py).
+    stage's heartbeat also stops when its loops hang; see omni_backend/stages/llm/service.py).
 
     Args:
         pb_utils: `triton_python_backend_utils` (or a stand-in with its MetricFamily API).

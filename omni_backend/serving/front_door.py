@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 from fastapi import Request
 
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
+from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving import errors
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError

@@ -30,7 +30,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
+from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
 from omni_backend.vocabulary import BY_PARAM, tensor_value_problem

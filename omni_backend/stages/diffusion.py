@@ -33,11 +33,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omni_backend import settings
+from omni_backend import tensor_names as T
+from omni_backend.engine.config import DEVICE_PATTERN, DTYPES
+from omni_backend.settings import setting
 from omni_backend.stages.tensors import one_value
 from omni_backend.vocabulary import FieldError
 
 INPUT_NAMES = ("prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed")
 MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class DiffusionSettings:
+    """Settings of the diffusion stage (rendered as `diffusion_<field>`, omni_backend/repository.py)."""
+
+    model_path: str = setting("", "the diffusion stage's pipeline folder (diffusers layout); empty: the tiny random "
+                              "one setup builds (.cache/models/tiny-sd-random)")
+    device: str = setting("auto", "auto (CUDA when torch can use it, else cpu), cpu, cuda or cuda:N",
+                          pattern=DEVICE_PATTERN, forms="auto, cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "auto: float16 on CUDA, float32 on CPU", choices=DTYPES)
+    gpu_memory_fraction: float = setting(0.08, "share of the GPU for the diffusion stage (ops/gpu_budget.py)",
+                                         low=0.0, low_open=True, high=1.0)
+
+    PREFIX = "diffusion_"
+
+    def __post_init__(self) -> None:
+        settings.check(self)
 
 
 @dataclass(frozen=True)
@@ -173,8 +195,19 @@ class DiffusionStage:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str, limits: ImageLimits, device: str = "auto", dtype: str = "auto",
-                        gpu_memory_fraction: float = 1.0) -> "DiffusionStage":
+    def from_parameters(cls, parameters: dict[str, str]) -> "DiffusionStage":
+        """From the diffusion model's string parameters: `DiffusionSettings`' and `ImageLimits`'.
+
+        Raises:
+            ValueError: a malformed setting; RuntimeError: a CUDA device torch cannot use.
+        """
+        own = settings.from_strings(DiffusionSettings, parameters)
+        return cls.from_pretrained(own.model_path, ImageLimits.from_parameters(parameters), own.device, own.dtype,
+                                   own.gpu_memory_fraction)
+
+    @classmethod
+    def from_pretrained(cls, path: str, limits: ImageLimits, device: str, dtype: str,
+                        gpu_memory_fraction: float) -> "DiffusionStage":
         """Load a local diffusers pipeline folder (offline). `auto`: CUDA in float16 when available, else CPU
         in float32. On a GPU the process is capped at `gpu_memory_fraction` of its memory (ops/gpu_budget.py).
 
@@ -195,6 +228,27 @@ class DiffusionStage:
         pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         return cls(pipeline, limits, device)
+
+    def run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
+        """A dynamic batch: each request's input arrays (`INPUT_NAMES`) -> its `image` and `seed`, or the error of
+        that request alone (`ImageRequest.from_arrays`); the valid ones are generated together (`generate`), and
+        a failure there fails those."""
+        results: list = [None] * len(requests)
+        valid: dict[int, ImageRequest] = {}
+        for index, arrays in enumerate(requests):
+            try:
+                valid[index] = ImageRequest.from_arrays(arrays, self.limits)
+            except ValueError as exc:
+                results[index] = exc
+        if valid:
+            try:
+                images = self.generate(list(valid.values()))
+            except Exception as exc:
+                images = [exc] * len(valid)
+            for (index, item), image in zip(valid.items(), images):
+                results[index] = image if isinstance(image, Exception) else \
+                    {T.IMAGE: image[np.newaxis], T.SEED: np.array([[item.seed]], dtype=np.int64)}
+        return results
 
     def generate(self, requests: list[ImageRequest]) -> list[np.ndarray]:
         """Images (uint8 [height, width, 3]) for `requests`, in order; one pipeline call per compatible group."""
@@ -235,3 +289,18 @@ def encode_png(image: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image if image.shape[2] != 1 else image[:, :, 0]).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def png_outputs(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """png_encode's answer: each image of `image` uint8 [n, height, width, 3] -> `png` BYTES [n, 1].
+
+    Raises:
+        FieldError: `image` missing or not uint8 [n, height, width, 1|3|4].
+    """
+    images = arrays.get(T.IMAGE)
+    if images is None or images.ndim != 4:
+        raise FieldError(T.IMAGE, "must be uint8 [n, height, width, 1|3|4]")
+    try:
+        return {T.PNG: np.array([[encode_png(image)] for image in images], dtype=np.object_)}
+    except ValueError as exc:
+        raise FieldError(T.IMAGE, str(exc)) from None

@@ -15,12 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
+from omni_backend import settings
+from omni_backend import tensor_names as T
+from omni_backend.settings import setting
 from omni_backend.stages.encoder_cache import EncoderCache, content_key
 from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, media_source
+from omni_backend.vocabulary import FieldError
 
 # The encoder model and its item input of each media kind (model_repository/{vision,audio}_encoder); an audio
 # item also carries its valid mel frames as `input_lengths`.
-ENCODERS = {"image": ("vision_encoder", "pixel_values"), "audio": ("audio_encoder", "input_features")}
+ENCODERS = {"image": ("vision_encoder", T.PIXEL_VALUES), "audio": ("audio_encoder", T.INPUT_FEATURES)}
 
 
 def save_encoder(model, folder: Path, placeholder_token: str) -> None:
@@ -67,25 +71,67 @@ class EncoderStage:
             repeated in their batch.
     """
 
-    def __init__(self, model, device: str = "cpu", cache: EncoderCache | None = None, missing: str = ""):
-        self.model, self.device, self.missing = model, device, missing
+    def __init__(self, model, device: str = "cpu", cache: EncoderCache | None = None, missing: str = "",
+                 kind: str = "image"):
+        self.model, self.device, self.missing, self.kind = model, device, missing, kind
         self.dtype = next(model.parameters()).dtype if model is not None else None
         self.cache = cache if cache is not None else EncoderCache()
         self.num_items = 0
         self.num_encoded = 0
 
-    def run(self, batches: list[np.ndarray], lengths: list[np.ndarray] | None = None) -> list[np.ndarray]:
-        """Arrays [b_i, ...] per request (and, for audio, valid frames int [b_i] per request) -> float32
-        embeddings [b_i, tokens, hidden] per request.
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The encoder model's inputs: its items, and for audio their valid frames."""
+        name = ENCODERS[self.kind][1]
+        return (name, T.INPUT_LENGTHS) if self.kind == "audio" else (name,)
+
+    def run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
+        """A dynamic batch: each request's input arrays (`input_names`) -> its `embeddings`, or the error of that
+        request alone (items that are not finite, valid frames outside [1, frames]); the good ones run together.
 
         Raises:
-            ValueError: requests whose item shapes differ (Triton batches only equal shapes).
+            ValueError: this server has no encoder of its kind (every request fails alike).
+        """
+        if self.model is None:
+            raise ValueError(self.missing)
+        name = ENCODERS[self.kind][1]
+        results: list = [None] * len(requests)
+        good: list[int] = []
+        for index, arrays in enumerate(requests):
+            try:
+                self._check(arrays)
+                good.append(index)
+            except ValueError as exc:
+                results[index] = exc
+        if good:
+            lengths = [requests[i][T.INPUT_LENGTHS].reshape(-1) for i in good] if self.kind == "audio" else None
+            for index, out in zip(good, self.run([requests[i][name] for i in good], lengths)):
+                results[index] = {T.EMBEDDINGS: np.ascontiguousarray(out)}
+        return results
+
+    def _check(self, arrays: dict[str, np.ndarray]) -> None:
+        name = ENCODERS[self.kind][1]
+        items = arrays.get(name)
+        if items is None:
+            raise FieldError(name, "is required")
+        if not np.isfinite(items).all():
+            raise FieldError(name, "must be finite (NaN or infinity in the input)")
+        if self.kind == "audio":
+            lengths = arrays.get(T.INPUT_LENGTHS)
+            if lengths is None or lengths.size != items.shape[0]:
+                raise FieldError(T.INPUT_LENGTHS, f"must give one length per item ({items.shape[0]})")
+            if lengths.min() < 1 or lengths.max() > items.shape[-1]:
+                raise FieldError(T.INPUT_LENGTHS, f"must lie in [1, {items.shape[-1]}] (the items' frames)")
+
+    def run(self, batches: list[np.ndarray], lengths: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Arrays [b_i, ...] per request (and, for audio, valid frames int [b_i] per request) -> float32
+        embeddings [b_i, tokens, hidden] per request; items of different shapes run in separate passes.
+
+        Raises:
+            ValueError: this server has no encoder of its kind.
         """
         import torch
 
-        shapes = {tuple(a.shape[1:]) for a in batches}
-        if len(shapes) != 1:
-            raise ValueError(f"encoder inputs in one batch must have equal shapes, got {sorted(shapes)}")
         if self.model is None:
             raise ValueError(self.missing)
         items = [np.asarray(item, dtype=np.float32) for batch in batches for item in batch]
@@ -94,9 +140,12 @@ class EncoderStage:
         keys = [content_key(item) + n.to_bytes(8, "little", signed=True) for item, n in zip(items, frames)]
         self.num_items += len(items)
         found = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
-        missing = [key for key, value in found.items() if value is None]
-        if missing:
-            first = {key: index for index, key in reversed(list(enumerate(keys)))}
+        first = {key: index for index, key in reversed(list(enumerate(keys)))}
+        by_shape: dict[tuple, list[bytes]] = {}
+        for key, value in found.items():
+            if value is None:
+                by_shape.setdefault(items[first[key]].shape, []).append(key)
+        for missing in by_shape.values():
             stacked = torch.from_numpy(np.stack([items[first[key]] for key in missing]))
             valid = torch.tensor([frames[first[key]] for key in missing]) if lengths is not None else None
             with torch.inference_mode():
@@ -110,27 +159,47 @@ class EncoderStage:
         return [np.stack(rows[start:end]) for start, end in zip([0, *sizes[:-1]], sizes)]
 
 
+@dataclass
+class EncoderSettings:
+    """Settings of the media encoder stages (rendered as `encoder_<field>`, omni_backend/repository.py)."""
+
+    gpu_memory_fraction: float = setting(0.04, "share of each GPU for each media encoder (ops/gpu_budget.py)",
+                                         low=0.0, low_open=True, high=1.0)
+    model_path: str = setting("", "the encoder checkpoint when the served model brings none; empty: "
+                              "$OMNI_VISION_MODEL_PATH / $OMNI_AUDIO_MODEL_PATH, else the tiny random default "
+                              "(media_spec.media_source)", operator=False)
+
+    PREFIX = "encoder_"
+
+    def __post_init__(self) -> None:
+        settings.check(self)
+
+
 def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
-    """The encoder stage from a model's config parameters: `model_path` and `llm_model_path` (which encoder,
-    `media_spec.media_source`), `device`, `dtype`, and on a GPU its share of device memory,
-    `gpu_memory_fraction` (ops/gpu_budget.py).
+    """The encoder stage from a model's config parameters: `EncoderSettings`' (`model_path`,
+    `gpu_memory_fraction`) and the engine's `llm_model_path` (which encoder: `media_spec.media_source`), `device`
+    and `dtype`.
 
     Raises:
-        ValueError: a malformed device or memory fraction, or an unsupported checkpoint; RuntimeError: a CUDA
-            device torch cannot use.
+        ValueError: a malformed setting, or an unsupported checkpoint; RuntimeError: a CUDA device torch cannot
+            use.
     """
     import torch
 
+    from omni_backend.engine.config import EngineConfig
     from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
     from omni_backend.ops.hardware import resolve_device
 
-    source = media_source(kind, parameters.get("model_path", ""), parameters.get("llm_model_path", ""))
+    own = settings.from_strings(EncoderSettings, parameters)
+    llm_model_path = settings.parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"),
+                                          "llm_model_path")
+    source = media_source(kind, own.model_path, llm_model_path)
     if source is None:
-        return EncoderStage(None, missing=f"this server has no {kind} encoder: its model "
-                                          f"({parameters.get('llm_model_path')}) reads no {kind}")
-    device = resolve_device(parameters.get("device") or "auto")
-    apply_gpu_memory_budget(device, float(parameters.get("gpu_memory_fraction") or 1.0), f"{kind}_encoder")
-    dtype_name = parameters.get("dtype") or "auto"
+        return EncoderStage(None, missing=f"this server has no {kind} encoder: its model ({llm_model_path}) reads "
+                                          f"no {kind}", kind=kind)
+    device = resolve_device(settings.parse_field(EngineConfig, "device", parameters.get("device")))
+    apply_gpu_memory_budget(device, own.gpu_memory_fraction, f"{kind}_encoder")
+    dtype_name = settings.parse_field(EngineConfig, "dtype", parameters.get("dtype"))
     dtype = torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name)
     if dtype_name == "auto" and device.startswith("cuda"):
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -140,7 +209,7 @@ def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
         model = load_hf_encoder(source.folder, kind).to(device=device, dtype=dtype)
     else:
         model = load_encoder(source.folder, device, dtype)
-    return EncoderStage(model, device)
+    return EncoderStage(model, device, kind=kind)
 
 
 @dataclass
@@ -164,7 +233,7 @@ def encoder_calls(parts: list[dict], pixel_values: np.ndarray | None,
     Raises:
         ValueError: more items named by the parts than the tensors hold.
     """
-    arrays = {"image": pixel_values, "audio": input_features}
+    arrays = {"image": pixel_values, "audio": input_features}  # by media kind
     seen = {"image": 0, "audio": 0}
     calls = []
     for index, part in enumerate(parts):
@@ -176,7 +245,7 @@ def encoder_calls(parts: list[dict], pixel_values: np.ndarray | None,
                 raise ValueError(f"media_parts names more {kind} items than {name} holds")
             inputs = {name: np.ascontiguousarray(array[seen[kind]:seen[kind] + 1], dtype=np.float32)}
             if kind == "audio":
-                inputs["input_lengths"] = np.asarray([[int(part["frames"])]], dtype=np.int32)
+                inputs[T.INPUT_LENGTHS] = np.asarray([[int(part["frames"])]], dtype=np.int32)
             seen[kind] += 1
             calls.append(EncoderCall(index, model, inputs))
     return calls
@@ -204,4 +273,4 @@ def splice_embeddings(parts: list[dict], positions: np.ndarray, calls: list[Enco
     positions = np.asarray(positions, dtype=np.int32).reshape(-1)
     if embeds.shape[0] != positions.size:
         raise ValueError(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")
-    return {"prompt_embeds": embeds, "prompt_embed_positions": positions}
+    return {T.PROMPT_EMBEDS: embeds, T.PROMPT_EMBED_POSITIONS: positions}

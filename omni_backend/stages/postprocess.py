@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from omni_backend.settings import parse_field
 from omni_backend.stages.tensors import one_value, string_tensor
 
 INPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
@@ -114,6 +115,14 @@ class Postprocessor:
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> "Postprocessor":
+        """From the postprocess model's string parameters: the engine's `llm_model_path` (its tokenizer)."""
+        from omni_backend.engine.config import EngineConfig
+
+        return cls.from_pretrained(parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"),
+                                               "llm_model_path"))
 
     def convert_logprobs(self, engine_json: str, name: str = "output_logprobs") -> str:
         """Engine logprobs JSON (`[{"id", "logprob", "top": [[id, logprob], ...]}]`) -> OpenAI-style JSON.

@@ -30,8 +30,9 @@ order: placeholders, encoder items (an image split into crops has several) and a
 checkpoint renders every chat with its own processor instead (`hf_prompt.ProcessorPrompt`).
 
 Every bad input raises a `FieldError` naming the tensor (and the path inside a messages array,
-`text_input[0].content[1]`), or a `StageError` of kind CONTEXT_LENGTH_EXCEEDED; the Triton model turns it into an
-INVALID_ARG error response whose message carries the kind and the field (`omni_backend.vocabulary`).
+`text_input[0].content[1]`), or `ContextLengthExceeded` (engine/limits.py; kind CONTEXT_LENGTH_EXCEEDED); the
+Triton model turns it into an INVALID_ARG error response whose message carries the kind and the field
+(`omni_backend.vocabulary`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ import secrets
 
 import numpy as np
 
+from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
+from omni_backend.settings import parse_field
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
-from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, ErrorKind, FieldError, StageError
+from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
 
 INPUT_NAMES = ("text_input", *(f.tensor for f in SAMPLING_FIELDS), "prompt_token_ids")
 OUTPUT_NAMES = ("input_ids", "sampling_params", "prompt_text")
@@ -174,6 +177,20 @@ class Preprocessor:
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True), max_model_len, media)
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> "Preprocessor":
+        """From the preprocess model's string parameters: the engine's `llm_model_path` and `max_model_len`
+        (declared in engine/config.py) and the media settings (`MediaConfig.from_parameters`).
+
+        Raises:
+            ValueError: a malformed setting or an unsupported checkpoint.
+        """
+        from omni_backend.engine.config import EngineConfig
+
+        model_path = parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"), "llm_model_path")
+        max_model_len = parse_field(EngineConfig, "max_model_len", parameters.get("max_model_len"))
+        return cls.from_pretrained(model_path, max_model_len, MediaConfig.from_parameters(parameters))
 
     def tokenize(self, text: str) -> list[int]:
         """Prompt token ids: chat template for a messages array (text starting with '['), else plain text.
@@ -402,16 +419,11 @@ class Preprocessor:
 
         Raises:
             FieldError: an invalid setting, named by its tensor (ranges: SamplingParams).
-            StageError: CONTEXT_LENGTH_EXCEEDED when the prompt and the completion do not fit max_model_len.
+            ContextLengthExceeded: the prompt and the completion do not fit max_model_len (engine/limits.py).
         """
         max_tokens = settings["max_tokens"]
+        check_context_length(self.max_model_len, prompt_tokens, max_tokens)
         room = self.max_model_len - prompt_tokens
-        if (max_tokens if max_tokens is not None else 1) > room:
-            requested = prompt_tokens + (max_tokens if max_tokens is not None else 1)
-            completion = max_tokens if max_tokens is not None else "at least 1"
-            raise StageError(ErrorKind.CONTEXT_LENGTH_EXCEEDED,
-                             f"maximum context length is {self.max_model_len} tokens, you requested {requested} "
-                             f"tokens ({prompt_tokens} in the prompt, {completion} for the completion)")
         try:
             return SamplingParams.from_dict({**settings, "max_tokens": room if max_tokens is None else max_tokens})
         except InvalidSamplingParam as exc:
@@ -422,7 +434,7 @@ class Preprocessor:
         "prompt_text": object [1]} (and the media outputs when encoders are configured).
 
         Raises:
-            FieldError, StageError: any bad input; the message names the tensor and the problem.
+            FieldError, ContextLengthExceeded: any bad input; the message names the tensor and the problem.
         """
         text = one_value(arrays, "text_input", str)
         if text is None:

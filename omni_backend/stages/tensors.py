@@ -1,15 +1,15 @@
 """Turning Triton input arrays into Python values, with errors that name the tensor.
 
 Triton hands a Python-backend model numpy arrays: STRING/BYTES tensors as object arrays of `bytes`, numeric
-ones as arrays of their dtype. Per-request settings are shape [1] tensors. Errors leave a stage as
-`pb_utils.TritonError`s whose message carries the error kind's header (`omni_backend.vocabulary.StageError`).
+ones as arrays of their dtype. Per-request settings are shape [1] tensors. (What touches `pb_utils` itself is
+`triton_glue.py`.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from omni_backend.vocabulary import FieldError, StageError
+from omni_backend.vocabulary import FieldError
 
 
 def one_value(arrays: dict, name: str, kind: type, default=None):
@@ -74,39 +74,3 @@ def as_text(value, name: str) -> str:
 def string_tensor(*values: str) -> np.ndarray:
     """A 1-D object array of UTF-8 bytes, the form Triton expects for STRING outputs (shape [len(values)])."""
     return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
-
-
-def request_arrays(pb_utils, request, names) -> dict:
-    """{name: numpy array} of the inputs of a Triton request that are present (optional ones may be absent).
-
-    `pb_utils` is the stub's `triton_python_backend_utils` module, passed in because it only exists inside a
-    Triton stub process.
-    """
-    arrays = {}
-    for name in names:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            arrays[name] = tensor.as_numpy()
-    return arrays
-
-
-def triton_error(pb_utils, exc: BaseException, stage: str):
-    """The `pb_utils.TritonError` a stage answers `exc` with: the Triton code of its kind and the message with
-    the kind's header (`StageError.of`: ValueError -> INVALID_ARG naming a FieldError's field, StageError -> its
-    own kind, anything else -> INTERNAL "<stage> failed: ...")."""
-    error = StageError.of(exc, stage)
-    return pb_utils.TritonError(error.wire(), getattr(pb_utils.TritonError, error.kind.triton_code))
-
-
-def respond_each(pb_utils, requests, names, run, stage: str) -> list:
-    """One InferenceResponse per request: `run(arrays) -> {name: array}`; an exception becomes that request's
-    error (`triton_error`), so one bad request never takes the stub down."""
-    responses = []
-    for request in requests:
-        try:
-            outputs = run(request_arrays(pb_utils, request, names))
-        except Exception as exc:
-            responses.append(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, stage)))
-            continue
-        responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outputs.items()]))
-    return responses

@@ -51,6 +51,8 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from omni_backend import settings
+from omni_backend.settings import setting
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.stages.tts_input import speech_text, unspeakable_reason
 from omni_backend.stages.tts_options import DEFAULT_VOICE, SpeechOptions
@@ -129,6 +131,20 @@ class _StreamState:
     touched: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class SpeechSettings:
+    """Settings of the tts stage (constants of its model config; absent keys keep these defaults)."""
+
+    engine: str = setting("piper", "the synthesizer (a key of ENGINES)", choices=tuple(ENGINES))
+    threads: int = setting(0, "onnxruntime intra-op threads; 0: one per core", low=0)
+    max_text_chars: int = setting(4096, "longest self-contained text, characters", low=1)
+    stream_ttl_s: float = setting(600.0, "a stream not heard from for this long is forgotten, s", low=0.0,
+                                  low_open=True)
+
+    def __post_init__(self) -> None:
+        settings.check(self)
+
+
 class SpeechStage:
     """Chunks text, synthesizes each chunk, and keeps the state of streams whose deltas arrive one by one.
 
@@ -147,6 +163,16 @@ class SpeechStage:
         self.make_chunker = chunker
         self._streams: dict[str, _StreamState] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, str]) -> "SpeechStage":
+        """From the tts model's string parameters (`SpeechSettings`).
+
+        Raises:
+            ValueError: a malformed setting.
+        """
+        own = settings.from_strings(SpeechSettings, parameters)
+        return cls(ENGINES[own.engine](threads=own.threads), own.max_text_chars, own.stream_ttl_s)
 
     @property
     def open_streams(self) -> int:
@@ -249,6 +275,9 @@ class ChunkSink(Protocol):
 
     def fail(self, error: BaseException) -> None: ...
 
+    def close(self) -> None:
+        """End the stream with the final flag alone."""
+
     def is_cancelled(self) -> bool: ...
 
 
@@ -312,3 +341,17 @@ class SpeechWorker:
                 except Exception:  # noqa: BLE001 - the request is gone
                     pass
 
+
+
+def serve_request(stage: SpeechStage, worker: "SpeechWorker", arrays: dict, sender: ChunkSink) -> None:
+    """Everything the tts model does with one request: plan its chunks and hand them to `worker`, or end its
+    stream at once (with its error, or with the final flag alone when a stream delta completed no phrase)."""
+    try:
+        options, chunks = stage.plan(arrays)
+    except Exception as exc:  # bad input, or a fault: this request only
+        sender.fail(exc)
+        return
+    if chunks:
+        worker.submit(options, chunks, sender)
+    else:  # nothing to say yet
+        sender.close()

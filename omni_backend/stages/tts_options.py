@@ -15,9 +15,12 @@ import json
 import uuid
 from dataclasses import asdict, dataclass
 
+from omni_backend import tensor_names as T
+from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.vocabulary import FieldError
 
 DEFAULT_VOICE = "joe"
+SPEECH_OPTION_INPUTS = (T.VOICE, T.AUDIO_FORMAT, T.SPEED)  # the speech_options model's inputs
 # OpenAI's built-in voice names, served by the default voice until more voices are installed.
 OPENAI_VOICE_ALIASES = (
     "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar",
@@ -131,3 +134,15 @@ class SpeechOptions:
             raise ValueError("speech option stream must be a string")
         return cls(resolve_voice(value.get("voice", DEFAULT_VOICE)), check_format(value.get("audio_format")),
                    check_speed(value.get("speed")), stream)
+
+
+def speech_options_outputs(arrays: dict) -> dict:
+    """The speech_options model's answer: `voice`, `audio_format` and `speed` checked (`SpeechOptions.create`) and
+    packed, with a fresh stream id, as the JSON the llm stage passes through (`passthrough`).
+
+    Raises:
+        FieldError: a voice, format or speed that is not allowed, naming it.
+    """
+    options = SpeechOptions.create(one_value(arrays, T.VOICE, str), one_value(arrays, T.AUDIO_FORMAT, str),
+                                   one_value(arrays, T.SPEED, float), stream=True)
+    return {T.PASSTHROUGH: string_tensor(options.to_json())}

@@ -11,12 +11,12 @@ from list_sink import ListSink
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, admin_key_of, restricted_api_flags
-from omni_backend.stages.llm import (LOOP_STUCK_AFTER_S, LLMService, QueueFull,
-                                     build_engine_on_a_passing_thread,
-                                     engine_config_from_parameters, generation_inputs, instance_device,
-                                     is_reset_request, max_queued_requests_from_parameters, parent_operator_key,
-                                     parent_server_probe, tritonserver_flags)
+from omni_backend.operator_key import ADMIN_KEY_HEADER, admin_key_of, restricted_api_flags, tritonserver_flags
+from omni_backend.stages.llm.build import build_engine_on_a_passing_thread
+from omni_backend.stages.llm.parameters import instance_device, parse_parameters
+from omni_backend.stages.llm.server_probe import parent_operator_key, parent_server_probe
+from omni_backend.stages.llm.service import LOOP_STUCK_AFTER_S, LLMService, QueueFull
+from omni_backend.stages.llm.triton_io import generation_inputs, is_reset_request
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 
@@ -99,7 +99,7 @@ def test_cancellation_frees_blocks_and_ends_the_stream(service):
     time.sleep(0.3)
     assert sink.closed == 1 and len(sink.outputs) == sent and not sink.errors  # nothing after the final flag
     assert "long" not in service.engine.requests  # aborted, not run to its 500 tokens
-    assert "long" not in service._submitted
+    assert "long" not in service.router.held()
     assert sink.outputs[-1].completion_tokens < 500
     deadline = time.monotonic() + 5
     while service.engine.runner.block_manager.num_free_blocks != 64 and time.monotonic() < deadline:
@@ -131,24 +131,30 @@ def test_the_engine_built_on_a_passing_thread_is_the_engine_and_its_errors_reach
 
 
 def test_engine_config_from_triton_parameters(tiny_qwen2_path):
-    config = engine_config_from_parameters({
+    config = parse_parameters({
         "model_path": tiny_qwen2_path, "device": "auto", "dtype": "float32", "block_size": "32",
         "kv_cache_bytes": "1048576", "max_num_seqs": "4", "max_num_batched_tokens": "64",
         "max_model_len": "256", "attention_backend": "auto", "gpu_memory_utilization": "0.5",
-        "enforce_eager": "true", "cpu_threads": "3", "enable_prefix_caching": "false"}, device="cuda:1")
+        "enforce_eager": "true", "cpu_threads": "3", "enable_prefix_caching": "false"},
+        instance_kind="GPU", instance_device_id="1", resolve=lambda device: device).engine
     assert (config.device, config.block_size, config.kv_cache_bytes, config.max_num_seqs, config.max_model_len,
             config.gpu_memory_utilization, config.enforce_eager, config.cpu_threads,
             config.enable_prefix_caching) == ("cuda:1", 32, 1048576, 4, 256, 0.5, True, 3, False)
-    default = engine_config_from_parameters({"model_path": "x", "kv_cache_bytes": "0", "cpu_threads": "0"},
-                                            device="cpu")
-    assert default.kv_cache_bytes is None  # 0: the device's default (engine/memory.py)
+    default = parse_parameters({"model_path": "x", "kv_cache_bytes": "0", "cpu_threads": "0"}).engine
+    assert default.kv_cache_bytes == 0  # 0: the device's default (engine/memory.py)
     assert default.cpu_threads == 0  # 0: automatic (ops.hardware.cpu_engine_threads)
+    assert default.device == "cpu"  # auto, resolved on this machine without CUDA
     assert default.enable_prefix_caching and default.quantization == "none"
-    assert engine_config_from_parameters({"model_path": "x", "quantization": "int8"}, device="cpu").quantization == "int8"
-    for bad in ({"block_size": "sixteen"}, {"cpu_threads": "-1"}, {"quantization": "int4"},
-                {"quantization": "int8", "dtype": "bfloat16"}):
-        with pytest.raises(ValueError):
-            engine_config_from_parameters({"model_path": "x", **bad}, device="cpu")
+    assert parse_parameters({"model_path": "x", "quantization": "int8"}).engine.quantization == "int8"
+    for bad, message in (({"block_size": "sixteen"}, "setting block_size must be one of 8, 16, 32, 64, 128, got "
+                                                     "'sixteen'"),
+                         ({"cpu_threads": "-1"}, "setting cpu_threads must be an integer >= 0, got '-1'"),
+                         ({"quantization": "int4"}, "setting quantization must be one of none, int8, got 'int4'"),
+                         ({"quantization": "int8", "dtype": "bfloat16"}, "dtype bfloat16 is not that"),
+                         ({"enable_prefix_caching": "yes"}, "setting enable_prefix_caching must be true or false"),
+                         ({"max_num_seq": "4"}, "unknown llm parameter\\(s\\): max_num_seq; known: model_path")):
+        with pytest.raises(ValueError, match=message):
+            parse_parameters({"model_path": "x", **bad})
 
 
 def test_each_kind_gpu_instance_takes_its_own_gpu():
@@ -182,7 +188,7 @@ def test_out_of_vocabulary_ids_are_refused_and_the_stage_keeps_serving(service):
 
 def test_the_engine_loop_survives_a_failing_iteration(service, monkeypatch):
     calls = {"n": 0}
-    real_drain = service._drain_inbox
+    real_drain = service.core.drain_inbox
 
     def flaky_drain():
         calls["n"] += 1
@@ -190,7 +196,7 @@ def test_the_engine_loop_survives_a_failing_iteration(service, monkeypatch):
             raise RuntimeError("injected fault")
         real_drain()
 
-    monkeypatch.setattr(service, "_drain_inbox", flaky_drain)
+    monkeypatch.setattr(service.core, "drain_inbox", flaky_drain)
     sink = ListSink()
     service.submit("after-fault", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), sink)
     assert sink.done.wait(10) and sink.outputs[-1].completion_tokens == 2
@@ -214,7 +220,7 @@ def test_a_failing_step_or_loop_fails_the_requests_in_flight_as_internal(service
 
         monkeypatch.setattr(service.engine, "step", failing_step)
     else:
-        real_run_once = service.run_once
+        real_run_once = service.core.run_once
 
         def failing_iteration():
             real_run_once()
@@ -223,7 +229,7 @@ def test_a_failing_step_or_loop_fails_the_requests_in_flight_as_internal(service
                 raise RuntimeError("injected loop fault")
 
         failing_iteration.done = False
-        monkeypatch.setattr(service, "run_once", failing_iteration)
+        monkeypatch.setattr(service.core, "run_once", failing_iteration)
     service.submit(f"fails-in-{where}", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), sink)
     assert sink.done.wait(10) and len(sink.errors) == 1
     error = sink.errors[0]
@@ -243,7 +249,7 @@ def test_a_full_queue_refuses_at_once_and_every_accepted_request_completes(tiny_
     with pytest.raises(QueueFull, match=r"^waiting queue is full: the llm stage holds 5 requests \(max_num_seqs 2 "
                                         r"running \+ max_queued_requests 3 waiting\); retry later$"):
         service.submit("r5", [15, 20, 30], params, ListSink())
-    assert service.num_rejected == 1 and service.num_active == 5 and "r5" not in service._submitted
+    assert service.num_rejected == 1 and service.num_active == 5 and "r5" not in service.router.held()
     service.start()
     try:
         offline = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
@@ -262,13 +268,13 @@ def test_a_full_queue_refuses_at_once_and_every_accepted_request_completes(tiny_
 
 
 def test_max_queued_requests_parameter():
-    assert max_queued_requests_from_parameters({"max_queued_requests": "256"}) == 256
-    assert max_queued_requests_from_parameters({"max_queued_requests": ""}) == 0  # no limit
-    assert max_queued_requests_from_parameters({}) == 0
-    with pytest.raises(ValueError, match="max_queued_requests must be an integer >= 0, got -1"):
-        max_queued_requests_from_parameters({"max_queued_requests": "-1"})
-    with pytest.raises(ValueError, match="max_queued_requests must be an integer >= 0, got 'many'"):
-        max_queued_requests_from_parameters({"max_queued_requests": "many"})
+    assert parse_parameters({"model_path": "x", "max_queued_requests": "7"}).stage.max_queued_requests == 7
+    assert parse_parameters({"model_path": "x", "max_queued_requests": "0"}).stage.max_queued_requests == 0  # no limit
+    assert parse_parameters({"model_path": "x", "max_queued_requests": ""}).stage.max_queued_requests == 256
+    with pytest.raises(ValueError, match="setting max_queued_requests must be an integer >= 0, got '-1'"):
+        parse_parameters({"model_path": "x", "max_queued_requests": "-1"})
+    with pytest.raises(ValueError, match="setting max_queued_requests must be an integer >= 0, got 'many'"):
+        parse_parameters({"model_path": "x", "max_queued_requests": "many"})
 
 
 def test_once_the_server_is_stopping_requests_still_running_after_the_grace_are_aborted(tiny_qwen2_path):
@@ -279,19 +285,20 @@ def test_once_the_server_is_stopping_requests_still_running_after_the_grace_are_
     sink = ListSink()
     service.submit("long", [4, 5, 6], SamplingParams(max_tokens=400, ignore_eos=True, stream=True), sink)
     # not started yet: the test plays the watch thread (and then the engine loop) itself
-    service.watch_for_stop()
-    assert service.stop_deadline is None  # the server answered: not stopping
+    watch = service.stop_watch
+    watch.look()
+    assert watch.deadline is None  # the server answered: not stopping
     probe["stopping"] = True
     before = time.monotonic()
-    service.watch_for_stop()
-    assert before + 30.0 <= service.stop_deadline <= time.monotonic() + 30.0
+    watch.look()
+    assert before + 30.0 <= watch.deadline <= time.monotonic() + 30.0
     probe["stopping"] = False  # answering again within the grace: a false alarm
-    service.watch_for_stop()
-    assert service.stop_deadline is None
-    probe["stopping"], service.stop_grace_s = True, 0.0
-    service.watch_for_stop()  # the grace is over at once: the request still held is aborted
-    assert service.stop_deadline is not None
-    service.run_once()  # the engine loop takes the request and its abort
+    watch.look()
+    assert watch.deadline is None
+    probe["stopping"], watch.grace_s = True, 0.0
+    watch.look()  # the grace is over at once: the request still held is aborted
+    assert watch.deadline is not None
+    service.core.run_once()  # the engine loop takes the request and its abort
     service.start()
     try:
         assert sink.done.wait(10)
@@ -309,13 +316,13 @@ def test_a_probe_that_never_said_ready_aborts_nothing(tiny_qwen2_path):
     sink = ListSink()
     service.submit("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), sink)
     # not started: the test plays the watch thread while the request is held, then lets the loop run
-    service.watch_for_stop()
-    assert service.stop_deadline is None
+    service.stop_watch.look()
+    assert service.stop_watch.deadline is None
     service.start()
     try:
         assert sink.done.wait(30)
         assert (sink.outputs[-1].finish_reason, sink.outputs[-1].completion_tokens) == ("length", 40)
-        assert service.stop_deadline is None
+        assert service.stop_watch.deadline is None
     finally:
         service.shutdown()
 
@@ -341,7 +348,8 @@ def test_generation_and_reset_requests_are_told_apart_by_their_inputs():
     ids = np.array([5, 6, 7], dtype=np.int32)
     params = np.array([SamplingParams(max_tokens=3).to_json().encode()], dtype=np.object_)
     reset = np.array([True])
-    assert generation_inputs({"input_ids": ids, "sampling_params": params}) == ([5, 6, 7], SamplingParams(max_tokens=3))
+    assert generation_inputs({"input_ids": ids, "sampling_params": params}) == (
+        [5, 6, 7], SamplingParams(max_tokens=3), None)
     assert not is_reset_request({"input_ids": ids, "sampling_params": params})
     assert not is_reset_request({"reset_prefix_cache": np.array([False]), "input_ids": ids})
     assert is_reset_request({"reset_prefix_cache": reset})
@@ -389,9 +397,9 @@ def test_the_heartbeat_stops_when_a_loop_is_stuck_not_when_a_step_is_slow(tiny_q
     # not started: the test sets when each loop last began an iteration
     before = time.time()
     assert before <= service.heartbeat_time() <= time.time()
-    service._progress["response thread"] = time.monotonic() - LOOP_STUCK_AFTER_S / 2  # slow, not stuck
+    service.router.last_iteration = time.monotonic() - LOOP_STUCK_AFTER_S / 2  # slow, not stuck
     assert before <= service.heartbeat_time() <= time.time()
-    service._progress["engine loop"] = time.monotonic() - LOOP_STUCK_AFTER_S - 5  # stuck
+    service.core.last_iteration = time.monotonic() - LOOP_STUCK_AFTER_S - 5  # stuck
     assert time.time() - LOOP_STUCK_AFTER_S - 6 <= service.heartbeat_time() <= time.time() - LOOP_STUCK_AFTER_S - 5
 
 

@@ -12,9 +12,9 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.ops.fake_nvml import FakeGpu, FakeNvml
-from omni_backend.ops.governor import Governor, GovernorConfig, GovernorState, NotAdmitting
+from omni_backend.ops.governor import Governor, GovernorConfig, GovernorState
 from omni_backend.ops.hardware import Nvml
-from omni_backend.stages.llm import LLMService
+from omni_backend.stages.llm.service import LLMService, NotAdmitting
 
 MAX_SEQS = 8
 
@@ -30,7 +30,7 @@ def scheduled_per_step(service: LLMService) -> int:
     """Run one loop iteration; returns how many sequences computed a token in it."""
     seqs = [state.seq for state in service.engine.requests.values()]
     before = {id(s): s.num_computed_tokens for s in seqs}
-    service.run_once()
+    service.core.run_once()
     return sum(s.num_computed_tokens != before[id(s)] for s in seqs)
 
 
@@ -41,7 +41,7 @@ def test_power_above_threshold_lowers_seqs_per_step_within_two_steps_and_restore
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stream=True)
     for i, sink in enumerate(sinks):
         service.submit(f"r{i}", [10 + i, 20, 30], params, sink)
-    service.run_once()  # admits and prefills all of them
+    service.core.run_once()  # admits and prefills all of them
     for _ in range(3):
         assert scheduled_per_step(service) == MAX_SEQS
     assert service.governor.state is GovernorState.NORMAL
@@ -62,9 +62,9 @@ def test_power_above_threshold_lowers_seqs_per_step_within_two_steps_and_restore
     assert counts[-1] == MAX_SEQS and service.governor.state is GovernorState.NORMAL
 
     while service.engine.has_unfinished():  # every request still completes, with all its tokens
-        service.run_once()
-    while not service._outbox.empty():  # what the response thread would send
-        service._deliver(*service._outbox.get_nowait())
+        service.core.run_once()
+    while not service.core.outbox.empty():  # what the response thread would send
+        service.router.deliver(*service.core.outbox.get_nowait())
     assert all(sum(len(o.token_ids) for o in s.outputs) == 60 for s in sinks)
 
 
@@ -118,7 +118,7 @@ def test_without_nvml_one_log_line_and_gauge_zero(tiny_llama_path, caplog):
             pytest.skip("this machine has NVML")
         for step in range(20):
             assert governor.tick(float(step)) == MAX_SEQS
-        governor.check_admission()  # never refuses
+        assert governor.refusal() is None  # never refuses
         lines = [r.getMessage() for r in caplog.records if "governor" in r.getMessage()]
         assert len(lines) == 1 and lines[0].startswith("governor disabled: NVML unavailable ("), lines
         assert governor.state is GovernorState.DISABLED and int(governor.state) == 0
@@ -138,7 +138,7 @@ def test_thresholds_derive_from_the_gpu_when_not_set():
     config = GovernorConfig.from_parameters({"governor_power_threshold_w": "250", "governor_critical_temp_c": "80",
                                              "governor_power_fraction": "", "governor_interval_s": "0.5"})
     assert (config.power_threshold_w, config.critical_temp_c, config.power_fraction) == (250.0, 80.0, 0.9)
-    with pytest.raises(ValueError, match="governor_min_num_seqs must be a number"):
+    with pytest.raises(ValueError, match="setting governor_min_num_seqs must be an integer >= 1, got 'two'"):
         GovernorConfig.from_parameters({"governor_min_num_seqs": "two"})
 
 

@@ -12,7 +12,7 @@ import torch
 
 from omni_backend.ops import hardware
 from omni_backend.ops.fake_nvml import FakeGpu, FakeNvml
-from omni_backend.setup import torch_flavor
+from omni_backend.ops import torch_flavor
 
 
 def test_inventory_and_readings_in_si_units():

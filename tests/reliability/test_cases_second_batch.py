@@ -29,7 +29,7 @@ from front_door import MODEL
 from frontdoor_http import post, sse
 from media_inputs import assert_ok, audio_bytes, chat, image_bytes
 
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
+from omni_backend.operator_key import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
 
 pytestmark = pytest.mark.usefixtures("followed_by_a_normal_request")
 

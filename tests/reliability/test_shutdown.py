@@ -29,7 +29,7 @@ from llm_stream import LLMStream, llm_inputs
 from tritonclient.utils import InferenceServerException
 
 from omni_backend.launch.front_door import FrontDoorProcess
-from omni_backend.stages.llm import STOP_POLL_INTERVAL_S
+from omni_backend.stages.llm.stop_watch import STOP_POLL_INTERVAL_S
 
 PROMPT = "Tell me a story about a dragon."
 MAX_TOKENS = 48  # about 3 s of float32 decode steps at batch 2: the running ones end well after SIGTERM + 0.5 s

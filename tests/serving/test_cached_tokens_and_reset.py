@@ -20,7 +20,7 @@ from front_door import MODEL
 from frontdoor_http import post, sse
 from llm_stream import llm_inputs
 
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
+from omni_backend.operator_key import ADMIN_KEY_HEADER
 
 pytestmark = pytest.mark.server
 

@@ -7,7 +7,7 @@ import pytest
 
 from omni_backend.serving import errors, protocol
 from omni_backend.serving.config import ServingConfig
-from omni_backend.stages.llm import QueueFull
+from omni_backend.stages.llm.service import QueueFull
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 

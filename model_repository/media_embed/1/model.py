@@ -1,4 +1,5 @@
-"""Triton glue for the media_embed BLS step: encoder calls per media item, spliced into llm prompt embeddings."""
+"""Triton glue for the media_embed BLS step: encoder calls per media item, spliced into llm prompt embeddings
+(omni_backend/stages/media_encoder.py)."""
 
 import asyncio
 import json
@@ -6,45 +7,42 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.ops.metrics import StageHeartbeat
-from omni_backend.stages.media_encoder import ENCODERS, encoder_calls, splice_embeddings
-from omni_backend.stages.tensors import triton_error
+from omni_backend import tensor_names as T
+from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
+from omni_backend.stages.triton_glue import request_arrays, response, start_heartbeat, triton_error
+from omni_backend.stages.tensors import one_value
+
+INPUT_NAMES = (T.MEDIA_PARTS, T.MEDIA_POSITIONS, T.PIXEL_VALUES, T.INPUT_FEATURES)
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+        self.heartbeat = start_heartbeat(pb_utils, args)
 
     async def execute(self, requests):
         return list(await asyncio.gather(*(self._one(request) for request in requests)))
 
     async def _one(self, request):
         try:
-            text = pb_utils.get_input_tensor_by_name(request, "media_parts").as_numpy().reshape(-1)[0]
-            parts = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
-            positions = pb_utils.get_input_tensor_by_name(request, "media_positions").as_numpy()
+            arrays = request_arrays(pb_utils, request, INPUT_NAMES)
+            parts = json.loads(one_value(arrays, T.MEDIA_PARTS, str))
             if not parts:
-                return self._response(np.zeros((0, 0), dtype=np.float32), np.zeros(0, dtype=np.int32))
-            calls = encoder_calls(parts, *(pb_utils.get_input_tensor_by_name(request, name).as_numpy()
-                                           for _, name in ENCODERS.values()))
-            requests = [pb_utils.InferenceRequest(model_name=call.model, requested_output_names=["embeddings"],
-                                                  inputs=[pb_utils.Tensor(k, v) for k, v in call.inputs.items()])
-                        for call in calls]
+                return response(pb_utils, {T.PROMPT_EMBEDS: np.zeros((0, 0), dtype=np.float32),
+                                           T.PROMPT_EMBED_POSITIONS: np.zeros(0, dtype=np.int32)})
+            calls = encoder_calls(parts, arrays.get(T.PIXEL_VALUES), arrays.get(T.INPUT_FEATURES))
+            encoder_requests = [
+                pb_utils.InferenceRequest(model_name=call.model, requested_output_names=[T.EMBEDDINGS],
+                                          inputs=[pb_utils.Tensor(k, v) for k, v in call.inputs.items()])
+                for call in calls]
             outputs = []
-            for response in await asyncio.gather(*(r.async_exec() for r in requests)):
-                if response.has_error():
-                    raise ValueError(response.error().message())
-                outputs.append(pb_utils.get_output_tensor_by_name(response, "embeddings").as_numpy())
-            spliced = splice_embeddings(parts, positions, calls, outputs)
-            return self._response(spliced["prompt_embeds"], spliced["prompt_embed_positions"])
+            for answer in await asyncio.gather(*(r.async_exec() for r in encoder_requests)):
+                if answer.has_error():
+                    raise ValueError(answer.error().message())
+                outputs.append(pb_utils.get_output_tensor_by_name(answer, T.EMBEDDINGS).as_numpy())
+            return response(pb_utils, splice_embeddings(parts, arrays[T.MEDIA_POSITIONS], calls, outputs))
         except (ValueError, KeyError, IndexError) as exc:
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, ValueError(f"media_embed: {exc}"),
                                                                  "media_embed"))
-
-    @staticmethod
-    def _response(embeds, positions):
-        return pb_utils.InferenceResponse([pb_utils.Tensor("prompt_embeds", embeds),
-                                           pb_utils.Tensor("prompt_embed_positions", positions)])
 
     def finalize(self):
         self.heartbeat.stop()

@@ -1,21 +1,15 @@
 """Triton glue for the preprocess stage; the logic is omni_backend/stages/preprocess.py."""
 
-import json
-
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.ops.metrics import StageHeartbeat
-from omni_backend.stages.tensors import respond_each
-from omni_backend.stages.preprocess import INPUT_NAMES, MediaConfig, Preprocessor
+from omni_backend.stages.preprocess import INPUT_NAMES, Preprocessor
+from omni_backend.stages.triton_glue import respond_each, start_heartbeat, string_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = json.loads(args["model_config"]).get("parameters", {})
-        setting = {key: value["string_value"] for key, value in parameters.items()}
-        self.stage = Preprocessor.from_pretrained(setting["llm_model_path"], int(setting["max_model_len"]),
-                                                  MediaConfig.from_parameters(setting))
-        self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+        self.stage = Preprocessor.from_parameters(string_parameters(args))
+        self.heartbeat = start_heartbeat(pb_utils, args)
 
     def execute(self, requests):
         return respond_each(pb_utils, requests, INPUT_NAMES, self.stage.run, "preprocess")

@@ -31,7 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tritonclient.utils import InferenceServerException
 
-from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
+from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving import errors
 from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.front_door import FrontDoor, door_of, is_operator, require_api_key

@@ -1,4 +1,4 @@
-"""omni_backend.setup.torch_flavor: the torch build chosen from the driver, its pip lines, the installed-environment
+"""omni_backend.ops.torch_flavor: the torch build chosen from the driver, its pip lines, the installed-environment
 check (facts injected), and the command line scripts/setup.sh runs before torch is installed."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from omni_backend import paths
 from omni_backend.ops.fake_nvml import FakeGpu, FakeNvml
-from omni_backend.setup import torch_flavor
-from omni_backend.setup.torch_flavor import FLAVORS, Driver, InstalledTorch
+from omni_backend.ops import torch_flavor
+from omni_backend.ops.torch_flavor import FLAVORS, Driver, InstalledTorch
 
 # Requires-Dist of PyPI's torch 2.13.0 Linux x86_64 wheel (its PEP 658 metadata), the lines that name triton/CUDA
 CU130_REQUIRES = [
@@ -123,7 +123,7 @@ def test_a_cuda_flavour_with_another_build_installed_is_named():
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "OMNI_TORCH_CUDA"}
-    return subprocess.run([sys.executable, "-m", "omni_backend.setup.torch_flavor", *args], cwd=paths.PROJECT_ROOT,
+    return subprocess.run([sys.executable, "-m", "omni_backend.ops.torch_flavor", *args], cwd=paths.PROJECT_ROOT,
                           env={**environment, "PYTHONPATH": str(paths.PROJECT_ROOT), **env}, capture_output=True,
                           text=True, timeout=60)
 
@@ -141,7 +141,7 @@ def test_command_line_prints_the_lines_and_refuses_unknown_flavours():
 
 def test_the_module_imports_nothing_outside_the_standard_library():
     """setup.sh runs it before torch (and anything else) is installed."""
-    code = ("import sys; before = set(sys.modules); import omni_backend.setup.torch_flavor; "
+    code = ("import sys; before = set(sys.modules); import omni_backend.ops.torch_flavor; "
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
     run = subprocess.run([sys.executable, "-c", code], cwd=paths.PROJECT_ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(paths.PROJECT_ROOT)}, timeout=60)

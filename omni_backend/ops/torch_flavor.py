@@ -3,9 +3,9 @@
 The one place that says which torch and which CUDA: scripts/setup.sh and docker/Dockerfile run this module
 before torch is installed (stdlib only at import; pynvml and packaging are imported where they are used):
 
-    python -m omni_backend.setup.torch_flavor choose               # the flavour name for this machine
-    python -m omni_backend.setup.torch_flavor requirements [NAME]  # its pip requirement lines
-    python -m omni_backend.setup.torch_flavor check [NAME]         # installed torch/triton fit it and the driver
+    python -m omni_backend.ops.torch_flavor choose               # the flavour name for this machine
+    python -m omni_backend.ops.torch_flavor requirements [NAME]  # its pip requirement lines
+    python -m omni_backend.ops.torch_flavor check [NAME]         # installed torch/triton fit it and the driver
 
 Flavours of torch 2.13.0 (`FLAVORS`):
     cpu    torch==2.13.0 and triton==3.7.1. Here pip's find-links holds a CPU wheel (2.13.0+cpu), which declares no
@@ -254,7 +254,7 @@ def _chosen(name: str | None) -> Flavor:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring); returns the exit code (1 with a message on stderr on an error)."""
-    parser = argparse.ArgumentParser(prog="python -m omni_backend.setup.torch_flavor", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m omni_backend.ops.torch_flavor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("choose", "requirements", "check"))
     parser.add_argument("flavor", nargs="?", help=f"a flavour name (default: {ENV_VAR}, else from the driver)")

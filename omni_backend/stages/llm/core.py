@@ -1,0 +1,127 @@
+"""The engine loop: one thread owns an LLMEngine, takes typed messages from its inbox and steps the engine.
+
+The part of the llm stage that a second engine instance (a talker) or a distributed worker reuses as it is, in the
+role of vLLM v1's `EngineCore` busy loop: messages in (`messages.py`), `(request id, RequestOutput | StageError)`
+pairs out to `outbox`, and nothing else; who sends the outputs where is `outputs.OutputRouter`'s business.
+
+The power/temperature governor (omni_backend/ops/governor.py) is consulted once per iteration: it sets the
+scheduler's sequences-per-step limit. A step or an iteration that fails ends the requests in flight with an
+INTERNAL error and the loop goes on, so one fault never hangs every client.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
+from omni_backend.ops.governor import Governor
+from omni_backend.stages.llm.messages import AbortRequest, AddRequest, InboxMessage, ResetPrefixCache
+from omni_backend.vocabulary import ErrorKind, StageError
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.1  # the longest an idle loop sleeps before looking at the governor again
+
+
+class EngineCore:
+    """Runs `engine` on its own thread; only that thread touches the engine once `start` was called.
+
+    Args:
+        engine: the engine.
+        governor: power/temperature governor of the engine's GPU (None: never limits).
+
+    Attributes:
+        outbox: `(request id, RequestOutput | StageError)` in the order the loop produced them.
+        last_iteration: `time.monotonic()` when the loop last began an iteration (for the stage's heartbeat).
+    """
+
+    def __init__(self, engine: LLMEngine, governor: Governor | None = None):
+        self.engine = engine
+        self.governor = governor
+        self.outbox: queue.SimpleQueue[tuple[str, RequestOutput | StageError]] = queue.SimpleQueue()
+        self.last_iteration = time.monotonic()
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llm-engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, message: InboxMessage) -> None:
+        """Hand a message to the loop (it takes it before its next step)."""
+        self._inbox.put(message)
+        self._wakeup.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop thread (after its current step)."""
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    def _loop(self) -> None:
+        self.engine.runner.device.bind_thread()  # kernels launch on the current device (engine/device.py)
+        while not self._stopping.is_set():
+            self.last_iteration = time.monotonic()
+            try:
+                self.run_once()
+            except Exception:  # the loop must outlive any fault, or every request in flight would hang
+                logger.exception("engine loop iteration failed; failing the requests in flight")
+                self._fail_all(StageError(ErrorKind.INTERNAL, "engine loop failed (see server log)"))
+
+    def run_once(self) -> None:
+        """One iteration: governor, inbox, one engine step (or a wait of up to IDLE_WAIT_S when idle).
+
+        The loop thread calls it; tests call it directly on a core that was not started.
+        """
+        engine = self.engine
+        if self.governor is not None and self.governor.enabled:
+            limit = self.governor.tick(time.monotonic())
+            if limit != engine.scheduler.num_seqs_limit:
+                engine.scheduler.set_num_seqs_limit(limit)
+        self.drain_inbox()
+        if not engine.has_unfinished():
+            self._wakeup.wait(timeout=IDLE_WAIT_S)
+            self._wakeup.clear()
+            return
+        try:
+            outputs = engine.step()
+        except Exception:  # a fault in one step must not take the stage down
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_all(StageError(ErrorKind.INTERNAL, "engine step failed (see server log)"))
+            return
+        for output in outputs:
+            self.outbox.put((output.request_id, output))
+
+    def drain_inbox(self) -> None:
+        """Carry out every message waiting in the inbox, in order."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, AddRequest):
+                try:
+                    self.engine.add_sequence(message.sequence)
+                except ValueError as exc:
+                    self.outbox.put((message.sequence.request_id, StageError.of(exc, "llm")))
+            elif isinstance(message, AbortRequest):
+                output = self.engine.abort(message.request_id)
+                if output is not None:
+                    self.outbox.put((message.request_id, output))
+            elif isinstance(message, ResetPrefixCache):
+                message.done.set_result(self.engine.runner.block_manager.reset_prefix_cache())
+            else:
+                raise TypeError(f"not an inbox message: {message!r}")
+
+    def _fail_all(self, error: StageError) -> None:
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("aborting %s failed", request_id)
+            self.outbox.put((request_id, error))

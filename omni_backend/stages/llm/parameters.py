@@ -1,0 +1,91 @@
+"""The llm model's Triton parameters: the engine's settings, the stage's own and the governor's, parsed once.
+
+Every key is a declared setting (omni_backend/settings.py): `EngineConfig`'s fields, `LLMStageSettings`' and
+`GovernorConfig`'s under `governor_`. omni_backend/repository.py renders all of them into the llm model's
+`config.pbtxt`; a key that none declares is refused, so a misspelt parameter cannot be ignored silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from omni_backend import settings
+from omni_backend.engine.config import EngineConfig
+from omni_backend.ops.governor import GovernorConfig
+from omni_backend.ops.hardware import resolve_device
+from omni_backend.settings import setting
+
+
+@dataclass
+class LLMStageSettings:
+    """Settings of the llm stage around its engine."""
+
+    max_queued_requests: int = setting(256, "requests the llm stage holds beyond max_num_seqs, waiting to run; one "
+                                       "more is refused at once with UNAVAILABLE \"waiting queue is full ... retry "
+                                       "later\" (the front door: 429 + Retry-After); 0: no limit", low=0)
+
+    def __post_init__(self) -> None:
+        settings.check(self)
+
+
+SETTING_GROUPS: tuple[tuple[type, str], ...] = (
+    (EngineConfig, ""), (LLMStageSettings, ""), (GovernorConfig, GovernorConfig.PREFIX))
+"""The llm model's parameters: (declaring class, key prefix)."""
+
+
+@dataclass
+class StageParameters:
+    """The llm model's parameters, parsed: its engine's config (device resolved for this instance), the stage's
+    settings and the governor's thresholds."""
+
+    engine: EngineConfig
+    stage: LLMStageSettings
+    governor: GovernorConfig
+
+
+def parameter_keys() -> list[str]:
+    """Every key the llm model's parameters may hold, in declaration order."""
+    return [prefix + f.name for cls, prefix in SETTING_GROUPS for f, _ in settings.declared(cls)]
+
+
+def parse_parameters(parameters: dict[str, str], instance_kind: str | None = None,
+                     instance_device_id: str | int | None = None,
+                     resolve: Callable[[str], str] = resolve_device) -> StageParameters:
+    """The llm model's string parameters (`triton_glue.string_parameters`) for the instance Triton describes.
+
+    Raises:
+        ValueError: a key no setting declares, a malformed value, or a device that contradicts the instance
+            (`instance_device`).
+    """
+    unknown = sorted(set(parameters) - set(parameter_keys()))
+    if unknown:
+        raise ValueError(f"unknown llm parameter(s): {', '.join(unknown)}; known: {', '.join(parameter_keys())}")
+    engine = EngineConfig.from_strings(parameters)
+    device = instance_device(engine.device, instance_kind, instance_device_id, resolve)
+    return StageParameters(dataclasses.replace(engine, device=device),
+                           settings.from_strings(LLMStageSettings, parameters),
+                           GovernorConfig.from_parameters(parameters))
+
+
+def instance_device(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None,
+                    resolve: Callable[[str], str] = resolve_device) -> str:
+    """The device of this model instance's engine.
+
+    Triton tells a Python model its instance's kind and device (`args["model_instance_kind"]`,
+    `args["model_instance_device_id"]`). A KIND_GPU instance group runs one instance per listed GPU (data
+    parallel inside one tritonserver, see repository.llm_instance_group), and each instance's engine takes its
+    own GPU. Otherwise the `device` setting decides ("auto", "cpu", "cuda", "cuda:N"), through `resolve`
+    (ops.hardware.resolve_device, which warns when NVML sees a GPU that torch cannot use and fails loudly for an
+    explicit CUDA device torch cannot use).
+
+    Raises:
+        ValueError: the device setting contradicts a KIND_GPU instance; what `resolve` raises.
+    """
+    if instance_kind != "GPU":
+        return resolve(requested)
+    device = f"cuda:{int(instance_device_id or 0)}"
+    if requested == "cpu" or (requested.startswith("cuda:") and requested != device):
+        raise ValueError(f"device {requested!r} contradicts this KIND_GPU instance on {device}")
+    return resolve(device)

@@ -1,0 +1,116 @@
+"""The one shape of every `model_repository/<stage>/1/model.py`: what touches `triton_python_backend_utils`.
+
+A model's glue parses its string parameters in `initialize` (`string_parameters`), starts its heartbeat
+(`start_heartbeat`), and in `execute` answers every request on its own, so one bad request never fails another:
+
+- `respond_each`: one response per request, `run(arrays)` -> output arrays;
+- `respond_batch`: a dynamic batch run together, `run_batch([arrays, ...])` -> one result per item, either its output
+  arrays or the exception that item alone ends with;
+- `StreamSender`: a decoupled request's response sender (responses, its error, its final flag, cancellation).
+
+Errors leave a stage as `pb_utils.TritonError`s whose message carries the error kind's header
+(`omni_backend.vocabulary.StageError`). `pb_utils` is passed in because it only exists inside a stub process.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import numpy as np
+
+from omni_backend.ops.metrics import StageHeartbeat
+from omni_backend.vocabulary import StageError
+
+
+def string_parameters(args: dict) -> dict[str, str]:
+    """A model's `parameters` (its `config.pbtxt`, as Triton hands it in `args["model_config"]`) as name -> string."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    return {name: value["string_value"] for name, value in parameters.items()}
+
+
+def start_heartbeat(pb_utils, args: dict) -> StageHeartbeat:
+    """The stage's heartbeat gauge, beating from now on (ops/metrics.py); stop it in `finalize`."""
+    return StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+
+
+def request_arrays(pb_utils, request, names) -> dict[str, np.ndarray]:
+    """{name: numpy array} of the inputs of a Triton request that are present (optional ones may be absent)."""
+    arrays = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def triton_error(pb_utils, exc: BaseException, stage: str):
+    """The `pb_utils.TritonError` a stage answers `exc` with: the Triton code of its kind and the message with
+    the kind's header (`StageError.of`: ValueError -> INVALID_ARG naming a FieldError's field, StageError -> its
+    own kind, anything else -> INTERNAL "<stage> failed: ...")."""
+    error = StageError.of(exc, stage)
+    return pb_utils.TritonError(error.wire(), getattr(pb_utils.TritonError, error.kind.triton_code))
+
+
+def response(pb_utils, outputs: dict[str, np.ndarray]):
+    """An InferenceResponse carrying `outputs` (tensor name -> array)."""
+    return pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in outputs.items()])
+
+
+def respond_each(pb_utils, requests, names, run: Callable[[dict], dict], stage: str) -> list:
+    """One InferenceResponse per request: `run(arrays) -> {name: array}`; an exception becomes that request's
+    error (`triton_error`)."""
+    return respond_batch(pb_utils, requests, names, lambda batch: [_outcome(run, arrays) for arrays in batch], stage)
+
+
+def respond_batch(pb_utils, requests, names, run_batch: Callable[[list[dict]], list], stage: str) -> list:
+    """One InferenceResponse per request of a dynamic batch run together.
+
+    Args:
+        run_batch: the requests' input arrays -> one result per request, in order: its output arrays, or the
+            exception that request alone ends with (one bad item fails only its own request). An exception
+            raised by `run_batch` itself fails the whole batch.
+    """
+    try:
+        results = run_batch([request_arrays(pb_utils, request, names) for request in requests])
+    except Exception as exc:
+        results = [exc] * len(requests)
+    return [pb_utils.InferenceResponse(error=triton_error(pb_utils, result, stage))
+            if isinstance(result, BaseException) else response(pb_utils, result) for result in results]
+
+
+def _outcome(run: Callable[[dict], dict], arrays: dict):
+    try:
+        return run(arrays)
+    except Exception as exc:
+        return exc
+
+
+class StreamSender:
+    """One decoupled request's response sender.
+
+    Args:
+        pb_utils: the stub's module.
+        sender: `request.get_response_sender()`.
+        stage: the stage's name, for INTERNAL errors' messages.
+    """
+
+    def __init__(self, pb_utils, sender, stage: str):
+        self.pb_utils, self.sender, self.stage = pb_utils, sender, stage
+
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
+        """One response; `final` also ends the stream."""
+        flags = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.sender.send(response(self.pb_utils, outputs), flags=flags)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with the error `exc` stands for (`triton_error`)."""
+        self.sender.send(self.pb_utils.InferenceResponse(error=triton_error(self.pb_utils, exc, self.stage)),
+                         flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def close(self) -> None:
+        """End the stream with the final flag alone (after a cancellation, or when there is nothing to say)."""
+        self.sender.send(flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()

@@ -28,13 +28,16 @@ SAMPLE_RATE = 16_000
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}
 IMAGE_FORMAT_NAMES = "PNG, JPEG, WebP or GIF"
 # What Pillow raises for data it cannot decode: truncated or damaged files (OSError, EOFError, SyntaxError and
-# struct.error from its plugins), impossible headers (ValueError), and sizes past its own bomb check.
+# struct.error from its plugins) and impossible headers (ValueError).
 _UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, struct.error)
 # Modes whose samples are wider than 8 bits -> the sample value that is full white. Pillow opens 16-bit greyscale
-# as I;16* (PNG) or I (other formats); float images (F) hold intensities in [0, 1], as numpy's and torchvision's
-# float images do. Pillow's own conversions of these modes clip at 255 instead of scaling.
+# as I;16* (PNG) or I (other formats); float images (F) hold intensities in [0, 1], as scikit-image's and
+# torchvision's float images do. Pillow's own conversions of these modes clip at 255 instead of scaling.
 _WIDE_MODES = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
 _ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+# EXIF Orientation (TIFF tag 274) -> the `PIL.Image.Transpose` that shows the stored pixels as meant.
+_UPRIGHT = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+            7: "TRANSVERSE", 8: "ROTATE_90"}
 # A model's own image processor resizes images to at most a few hundred pixels a side (SmolVLM: 2048 before
 # splitting); JPEGs over twice this on both sides are decoded at a reduced scale of at least this size first.
 LARGE_IMAGE_DRAFT = 2048
@@ -150,7 +153,7 @@ def open_image(data: bytes, where: str, limits: MediaLimits, draft_size: int | N
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:  # Pillow's own check of the header's size, stricter than ours or not
-        limit = min(limits.max_image_pixels, 2 * (Image.MAX_IMAGE_PIXELS or limits.max_image_pixels))
+        limit = min(limits.max_image_pixels, 2 * Image.MAX_IMAGE_PIXELS)
         raise ValueError(f"{where}: image is over the limit of {limit} pixels") from None
     except _UNREADABLE:
         raise ValueError(f"{where}: the data is not a {IMAGE_FORMAT_NAMES} image") from None
@@ -169,7 +172,8 @@ def to_rgb(image, where: str):
     """The picture an image viewer shows, as an 8-bit RGB `PIL.Image` of the displayed size: the decode step of
     every image source, before any resizing.
 
-    - EXIF orientation applied (`PIL.ImageOps.exif_transpose`): a photo tagged Orientation=6 is seen upright.
+    - EXIF orientation applied: a photo tagged Orientation=6 is seen upright (an EXIF block Pillow cannot parse
+      is ignored, as viewers ignore it).
     - Transparency composited on white, as transformers' `convert_to_rgb` and vLLM do: an alpha channel (RGBA,
       LA, PA) or a transparent palette index / colour key (P, L, RGB and 16-bit greyscale with `transparency`).
       A fully transparent pixel is white whatever colour it stores; an opaque one keeps its colour.
@@ -178,27 +182,44 @@ def to_rgb(image, where: str):
     - An animated GIF or WebP: its first frame (the frame `Image.open` is at).
 
     Args:
-        image: a `PIL.Image`, opened lazily or already loaded (EXIF is applied in place).
+        image: a `PIL.Image`, opened lazily or already loaded.
         where: the content part, for error messages.
 
     Raises:
         ValueError: the pixel data does not decode (truncated or damaged), naming the format.
     """
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     kind = image.format or image.mode
     try:
-        ImageOps.exif_transpose(image, in_place=True)
+        image.load()
+        orientation = _exif_orientation(image)
         if image.mode in _WIDE_MODES:
             image = _to_8_bit(image)
         if image.mode in _ALPHA_MODES or "transparency" in image.info:
             rgba = image.convert("RGBA")
-            white = Image.new("RGB", rgba.size, (255, 255, 255))
-            white.paste(rgba, mask=rgba)
-            return white
-        return image.convert("RGB")
+            rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+            rgb.paste(rgba, mask=rgba)
+        else:
+            rgb = image.convert("RGB")
     except _UNREADABLE:
         raise ValueError(f"{where}: the {kind} image cannot be decoded (damaged or truncated data)") from None
+    upright = _UPRIGHT.get(orientation)
+    return rgb if upright is None else rgb.transpose(getattr(Image.Transpose, upright))
+
+
+def _exif_orientation(image) -> int:
+    """The EXIF Orientation tag of a loaded image (1, as stored, when absent or unreadable).
+
+    Read here rather than through `PIL.ImageOps.exif_transpose`, which also rewrites the EXIF block and fails
+    doing so on phone photos with odd tag values (Pillow issues 4238, 8605, 8965): the pixels are all we keep.
+    """
+    from PIL import ExifTags
+
+    try:
+        return int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # any damage in a metadata block we only read one number from
+        return 1
 
 
 def _to_8_bit(image):

@@ -190,6 +190,26 @@ def test_c32_exif_orientation_6_is_seen_upright():
     np.testing.assert_array_equal(*inputs)
 
 
+def test_c32_a_damaged_exif_tag_beside_the_orientation_does_not_lose_the_photo():
+    """A phone photo whose EXIF holds a signed rational of denominator 0 (Pillow's exif_transpose raises rewriting
+    it, Pillow 13) is still seen upright."""
+    from PIL import Image
+
+    def entry(tag: int, kind: int, payload: bytes, offset: int) -> tuple[bytes, bytes]:
+        if len(payload) <= 4:
+            return struct.pack("<HHI", tag, kind, 1) + payload.ljust(4, b"\0"), b""
+        return struct.pack("<HHII", tag, kind, 1, offset), payload
+
+    # a little-endian TIFF header, then IFD0 at offset 8 with Orientation (SHORT 6) and XResolution (SRATIONAL -1/0)
+    orientation, _ = entry(0x0112, 3, struct.pack("<H", 6), 0)
+    resolution, value = entry(0x011A, 10, struct.pack("<ii", -1, 0), 8 + 2 + 2 * 12 + 4)
+    exif = b"Exif\0\0II*\0" + struct.pack("<IH", 8, 2) + orientation + resolution + struct.pack("<I", 0) + value
+    stored = photo(32, 48)
+    raw = encoded(Image.fromarray(stored), "JPEG", exif=exif, quality=95)
+    sideways = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    np.testing.assert_array_equal(decoded(raw), np.rot90(sideways, k=-1))
+
+
 def test_16_bit_greyscale_is_scaled_not_clipped():
     from PIL import Image
 

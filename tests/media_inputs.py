@@ -42,13 +42,16 @@ def speech() -> tuple[np.ndarray, int]:
     return samples, synthesizer.sample_rate
 
 
-def audio_bytes(fmt: str = "WAV", samples: np.ndarray | None = None, rate: int | None = None) -> bytes:
+def audio_bytes(fmt: str = "WAV", samples: np.ndarray | None = None, rate: int | None = None,
+                subtype: str | None = None) -> bytes:
+    """`samples` (default: `speech()`) encoded as `fmt`, in libsndfile's default `subtype` for it (WAV: PCM_16)
+    unless given (e.g. "FLOAT", which keeps NaN, infinities and values past full scale)."""
     import soundfile
 
     if samples is None:
         samples, rate = speech()
     buffer = io.BytesIO()
-    soundfile.write(buffer, samples, rate, format=fmt)
+    soundfile.write(buffer, samples, rate, format=fmt, subtype=subtype)
     return buffer.getvalue()
 
 

@@ -1,9 +1,13 @@
 """Media decoding and limits for image and audio content parts (used by the preprocess stage).
 
-Images arrive as `data:` URIs (PNG, JPEG or WebP; http(s) URLs only when `allow_http` is set, off by default)
-and become the vision encoder's input: RGB, resized to the encoder's square size with bicubic filtering and
-normalized with its mean/std, as SigLIP's image processor does. Audio arrives base64-encoded (WAV, FLAC, OGG
-and MP3, recognized by content with libsndfile through `soundfile`), is mixed to mono and resampled to 16 kHz.
+Images arrive as `data:` URIs (PNG, JPEG, WebP or GIF; http(s) URLs only when `allow_http` is set, off by default)
+and pass one decode step (`open_image` -> `to_rgb`) whatever reads them next, so every model sees the picture an
+image viewer shows: EXIF orientation applied, transparency composited on white, 16-bit and palette modes
+converted to 8-bit RGB, an animation's first frame. The project vision encoder's input is then resized to the
+encoder's square size with bicubic filtering and normalized with its mean/std, as SigLIP's image processor does
+(`decode_image`); a checkpoint's own processor takes the RGB image (`hf_prompt`). Audio arrives base64-encoded
+(WAV, FLAC, OGG and MP3, recognized by content with libsndfile through `soundfile`), must hold only finite
+samples, is clipped to full scale, mixed to mono and resampled to 16 kHz.
 
 Every bad input raises `ValueError` whose message names the content part (e.g. `messages[0].content[1]`) and,
 for oversize media, the limit; nothing else escapes, so the caller answers 400 and stays healthy.
@@ -14,13 +18,26 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
 import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
 
 SAMPLE_RATE = 16_000
-IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
+IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}
+IMAGE_FORMAT_NAMES = "PNG, JPEG, WebP or GIF"
+# What Pillow raises for data it cannot decode: truncated or damaged files (OSError, EOFError, SyntaxError and
+# struct.error from its plugins) and impossible headers (ValueError).
+_UNREADABLE = (OSError, ValueError, SyntaxError, EOFError, struct.error)
+# Modes whose samples are wider than 8 bits -> the sample value that is full white. Pillow opens 16-bit greyscale
+# as I;16* (PNG) or I (other formats); float images (F) hold intensities in [0, 1], as scikit-image's and
+# torchvision's float images do. Pillow's own conversions of these modes clip at 255 instead of scaling.
+_WIDE_MODES = {"I;16": 65535, "I;16B": 65535, "I;16L": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
+_ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+# EXIF Orientation (TIFF tag 274) -> the `PIL.Image.Transpose` that shows the stored pixels as meant.
+_UPRIGHT = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+            7: "TRANSVERSE", 8: "ROTATE_90"}
 # A model's own image processor resizes images to at most a few hundred pixels a side (SmolVLM: 2048 before
 # splitting); JPEGs over twice this on both sides are decoded at a reduced scale of at least this size first.
 LARGE_IMAGE_DRAFT = 2048
@@ -120,47 +137,118 @@ def image_bytes_from_url(url: str, where: str, limits: MediaLimits) -> bytes:
 
 
 def open_image(data: bytes, where: str, limits: MediaLimits, draft_size: int | None = None):
-    """Encoded PNG/JPEG/WebP -> an RGB `PIL.Image`, its pixel count checked against `max_image_pixels`.
+    """Encoded PNG/JPEG/WebP/GIF -> the 8-bit RGB `PIL.Image` a viewer shows (`to_rgb`), its pixel count checked
+    against `max_image_pixels` before any pixel is decoded.
 
     A large JPEG is decoded at a reduced scale (`draft`) when `draft_size` is given, which keeps an 8000x8000
-    photo cheap for an encoder that resizes it to `draft_size` anyway.
+    photo cheap for an encoder that resizes it to `draft_size` anyway (the draft keeps both sides at least
+    `draft_size`, whatever the EXIF orientation).
 
     Raises:
-        ValueError: not an image, an unsupported format, or more than `max_image_pixels`.
+        ValueError: not an image, a format other than PNG/JPEG/WebP/GIF (named), more than `max_image_pixels`,
+            or data that does not decode (naming the format).
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise ValueError(f"{where}: the data is not a PNG, JPEG or WebP image") from None
+    except Image.DecompressionBombError:  # Pillow's own check of the header's size, stricter than ours or not
+        limit = min(limits.max_image_pixels, 2 * Image.MAX_IMAGE_PIXELS)
+        raise ValueError(f"{where}: image is over the limit of {limit} pixels") from None
+    except _UNREADABLE:
+        raise ValueError(f"{where}: the data is not a {IMAGE_FORMAT_NAMES} image") from None
     if image.format not in IMAGE_FORMATS:
-        raise ValueError(f"{where}: unsupported image format {image.format}; use PNG, JPEG or WebP")
+        raise ValueError(f"{where}: unsupported image format {image.format}; use {IMAGE_FORMAT_NAMES}")
     width, height = image.size
     if width * height > limits.max_image_pixels:
         raise ValueError(f"{where}: image has {width}x{height} pixels, over the limit of "
                          f"{limits.max_image_pixels} pixels")
+    if image.format == "JPEG" and draft_size:
+        image.draft("RGB", (draft_size, draft_size))
+    return to_rgb(image, where)
+
+
+def to_rgb(image, where: str):
+    """The picture an image viewer shows, as an 8-bit RGB `PIL.Image` of the displayed size: the decode step of
+    every image source, before any resizing.
+
+    - EXIF orientation applied: a photo tagged Orientation=6 is seen upright (an EXIF block Pillow cannot parse
+      is ignored, as viewers ignore it).
+    - Transparency composited on white, as transformers' `convert_to_rgb` and vLLM do: an alpha channel (RGBA,
+      LA, PA) or a transparent palette index / colour key (P, L, RGB and 16-bit greyscale with `transparency`).
+      A fully transparent pixel is white whatever colour it stores; an opaque one keeps its colour.
+    - 16-bit greyscale (I;16, I) scaled from 0..65535 to 0..255 (rounded), float greyscale (F) from 0..1;
+      palette, bilevel, CMYK and YCbCr through Pillow's conversions to RGB.
+    - An animated GIF or WebP: its first frame (the frame `Image.open` is at).
+
+    Args:
+        image: a `PIL.Image`, opened lazily or already loaded.
+        where: the content part, for error messages.
+
+    Raises:
+        ValueError: the pixel data does not decode (truncated or damaged), naming the format.
+    """
+    from PIL import Image
+
+    kind = image.format or image.mode
     try:
-        if image.format == "JPEG" and draft_size:
-            image.draft("RGB", (draft_size, draft_size))
-        return image.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{where}: the image cannot be decoded ({type(exc).__name__})") from None
+        image.load()
+        orientation = _exif_orientation(image)
+        if image.mode in _WIDE_MODES:
+            image = _to_8_bit(image)
+        if image.mode in _ALPHA_MODES or "transparency" in image.info:
+            rgba = image.convert("RGBA")
+            rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+            rgb.paste(rgba, mask=rgba)
+        else:
+            rgb = image.convert("RGB")
+    except _UNREADABLE:
+        raise ValueError(f"{where}: the {kind} image cannot be decoded (damaged or truncated data)") from None
+    upright = _UPRIGHT.get(orientation)
+    return rgb if upright is None else rgb.transpose(getattr(Image.Transpose, upright))
+
+
+def _exif_orientation(image) -> int:
+    """The EXIF Orientation tag of a loaded image (1, as stored, when absent or unreadable).
+
+    Read here rather than through `PIL.ImageOps.exif_transpose`, which also rewrites the EXIF block and fails
+    doing so on phone photos with odd tag values (Pillow issues 4238, 8605, 8965): the pixels are all we keep.
+    """
+    from PIL import ExifTags
+
+    try:
+        return int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # any damage in a metadata block we only read one number from
+        return 1
+
+
+def _to_8_bit(image):
+    """A greyscale image of a `_WIDE_MODES` mode -> mode L (LA where it has a transparent value)."""
+    from PIL import Image
+
+    full = _WIDE_MODES[image.mode]
+    values = np.asarray(image)
+    if full == 1.0:
+        grey = np.rint(np.clip(np.nan_to_num(values), 0.0, 1.0) * 255)
+    else:  # round(v * 255 / 65535) = round(v / 257), in integers
+        grey = (np.clip(values, 0, 65535).astype(np.uint32) + 128) // 257
+    out = Image.fromarray(grey.astype(np.uint8), "L")
+    transparent = image.info.get("transparency")
+    if isinstance(transparent, int) and full != 1.0:
+        out.putalpha(Image.fromarray(np.where(values == transparent, 0, 255).astype(np.uint8), "L"))
+    return out
 
 
 def decode_image(data: bytes, where: str, limits: MediaLimits, size: int, mean, std) -> np.ndarray:
-    """Encoded PNG/JPEG/WebP -> float32 [3, size, size] normalized pixels (SigLIP-style processing).
+    """Encoded PNG/JPEG/WebP/GIF -> float32 [3, size, size] normalized pixels (SigLIP-style processing) of the
+    RGB image `open_image` decodes.
 
     Raises:
         ValueError: what `open_image` raises.
     """
     from PIL import Image
 
-    image = open_image(data, where, limits, draft_size=size)
-    try:
-        image = image.resize((size, size), Image.Resampling.BICUBIC)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{where}: the image cannot be decoded ({type(exc).__name__})") from None
+    image = open_image(data, where, limits, draft_size=size).resize((size, size), Image.Resampling.BICUBIC)
     pixels = np.asarray(image, dtype=np.float32) / 255.0
     pixels = (pixels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
@@ -170,9 +258,13 @@ def decode_audio(data: str, where: str, limits: MediaLimits) -> np.ndarray:
     """Base64 audio (WAV/FLAC/OGG/MP3, recognized by content; the declared format is not trusted) -> float32
     mono samples at 16 kHz.
 
+    Samples are read as float64 (integer formats scaled to [-1, 1)), must all be finite, and are clipped to full
+    scale [-1, 1] as a sound card plays them: a float WAV may store values past it, and a finite but huge value
+    would overflow the mono mix, the resampling or the mel power spectrum into infinities and NaN features.
+
     Raises:
         ValueError: bad base64, "unsupported audio format" for bytes libsndfile cannot read, over
-            `max_audio_bytes` or `max_audio_seconds`, or an empty clip.
+            `max_audio_bytes` or `max_audio_seconds`, an empty clip, or "non-finite samples" (NaN or infinity).
     """
     import soundfile
 
@@ -188,14 +280,16 @@ def decode_audio(data: str, where: str, limits: MediaLimits) -> np.ndarray:
             if seconds > limits.max_audio_seconds:
                 raise ValueError(f"{where}: audio lasts {seconds:.1f} s, over the limit of "
                                  f"{limits.max_audio_seconds:g} s")
-            samples = clip.read(dtype="float32", always_2d=True)
+            samples = clip.read(dtype="float64", always_2d=True)
     except ValueError:
         raise
     except Exception:  # soundfile.LibsndfileError (a RuntimeError) and friends: not audio it can read
         raise ValueError(f"{where}: unsupported audio format (send WAV, FLAC, OGG or MP3)") from None
-    samples = samples.mean(axis=1)
     if samples.size == 0:
         raise ValueError(f"{where}: the audio clip is empty")
+    if not np.isfinite(samples).all():
+        raise ValueError(f"{where}: the audio has non-finite samples (NaN or infinity)")
+    samples = np.clip(samples, -1.0, 1.0).mean(axis=1)
     if samples.size / rate > limits.max_audio_seconds:  # frame counts of some formats are only estimates
         raise ValueError(f"{where}: audio lasts {samples.size / rate:.1f} s, over the limit of "
                          f"{limits.max_audio_seconds:g} s")

@@ -115,6 +115,30 @@ def test_media_the_model_does_not_read_is_refused_naming_the_part(folders):
         stage.run([np.zeros((1, 128, 3000), dtype=np.float32)], [np.array([10])])
 
 
+def test_processors_get_the_one_decoded_image_and_the_audio_checks(folders):
+    """A checkpoint's processor reads what omni_backend/stages/media.py decoded, never the raw bytes: a picture
+    whose transparent pixels store black gives the pixel values of its twin flattened on white (issue 25, c31),
+    and a clip with a NaN is refused naming its part (c33)."""
+    from media_inputs import audio_bytes, audio_part, image_bytes, image_part
+    from skimage import data
+
+    picture = np.ascontiguousarray(data.coffee()[:64, :96])
+    rgba = np.dstack([picture, np.full(picture.shape[:2], 255, dtype=np.uint8)])
+    rgba[10:40, 20:70] = 0  # transparent, black underneath
+    white_twin = picture.copy()
+    white_twin[10:40, 20:70] = 255
+    pixels = [preprocess(folders["idefics3"], [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, image_part(image_bytes("PNG", array))]}])["pixel_values"]
+        for array in (rgba, white_twin)]
+    np.testing.assert_array_equal(*pixels)
+    samples = np.zeros(16000, dtype=np.float32)
+    samples[[10, 20]] = np.nan, np.inf
+    with pytest.raises(FieldError, match="non-finite samples") as error:
+        preprocess(folders["qwen2_audio"], [{"role": "user", "content": [
+            {"type": "text", "text": "What was said?"}, audio_part(audio_bytes("WAV", samples, 16000, "FLOAT"))]}])
+    assert error.value.field == "text_input[0].content[1]"
+
+
 def test_an_unsupported_architecture_names_itself_and_the_supported_list(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MllamaForConditionalGeneration"]}))
     for load in (lambda: checkpoints.multimodal_architecture(tmp_path),

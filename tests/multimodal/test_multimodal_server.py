@@ -72,7 +72,7 @@ def test_concurrent_image_requests_equal_one_by_one_and_batch_in_the_encoder(mm_
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}], "messages[0].content[1]",
      "not valid base64"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "messages[0].content[1]",
-     "not a PNG, JPEG or WebP image"),
+     "not a PNG, JPEG, WebP or GIF image"),
     ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}], "messages[0].content[1]",
      "disabled"),
     ([image_part(b"x")] * 9, "messages[0].content[9]", "limit is 8 per request"),

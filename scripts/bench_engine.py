@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omni_backend import tensor_names as T
 from omni_backend import paths, repository
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
@@ -94,9 +95,9 @@ def _free_ports(n):
 
 
 def _llm_inputs(client_module, prompt, params_json):
-    ids = client_module.InferInput("input_ids", [len(prompt)], "INT32")
+    ids = client_module.InferInput(T.INPUT_IDS, [len(prompt)], "INT32")
     ids.set_data_from_numpy(np.array(prompt, dtype=np.int32))
-    sp = client_module.InferInput("sampling_params", [1], "BYTES")
+    sp = client_module.InferInput(T.SAMPLING_PARAMS, [1], "BYTES")
     sp.set_data_from_numpy(np.array([params_json.encode()], dtype=np.object_))
     return [ids, sp]
 
@@ -118,8 +119,8 @@ def _stream_all(client_module, url, prompts, params_json, concurrency) -> dict:
             return
         request_id = result.get_response().id
         first.setdefault(request_id, now)
-        if result.as_numpy("finish_reason").reshape(-1)[0]:
-            events.put(("done", request_id, int(result.as_numpy("completion_tokens").reshape(-1)[0]), now))
+        if result.as_numpy(T.FINISH_REASON).reshape(-1)[0]:
+            events.put(("done", request_id, int(result.as_numpy(T.COMPLETION_TOKENS).reshape(-1)[0]), now))
 
     client = client_module.InferenceServerClient(url)
     client.start_stream(callback=callback)

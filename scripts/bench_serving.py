@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from omni_backend import tensor_names as T
 from omni_backend import paths, repository
 from omni_backend.launch.front_door import FrontDoorProcess
 from omni_backend.launch.ports import free_ports
@@ -353,10 +354,10 @@ def omni_chat_request(url: str, question: str, new_tokens: int) -> dict:
             now, result, error = events.get(timeout=600)
             if error is not None:
                 raise RuntimeError(str(error))
-            if first is None and result.as_numpy("text_output").reshape(-1)[0]:
+            if first is None and result.as_numpy(T.TEXT_OUTPUT).reshape(-1)[0]:
                 first = now
-            if result.as_numpy("finish_reason").reshape(-1)[0]:
-                tokens = int(result.as_numpy("completion_tokens").reshape(-1)[0])
+            if result.as_numpy(T.FINISH_REASON).reshape(-1)[0]:
+                tokens = int(result.as_numpy(T.COMPLETION_TOKENS).reshape(-1)[0])
                 return {"ttft_s": (first or now) - start, "e2e_s": now - start, "tokens": tokens}
     finally:
         client.stop_stream()

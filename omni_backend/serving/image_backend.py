@@ -8,6 +8,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from omni_backend import tensor_names as T
 from omni_backend.serving import errors
 from omni_backend.serving.pipeline import TritonGrpcUser, infer_to_completion, numeric_array
 from omni_backend.stages.diffusion import ImageLimits
@@ -15,7 +16,7 @@ from omni_backend.stages.diffusion import ImageLimits
 ENSEMBLE = "text2image"
 STAGE = "diffusion"
 # The diffusion stage's tensors -> the OpenAI /v1/images/generations fields.
-_STAGE_FIELDS = {"width": "size", "height": "size"}
+_STAGE_FIELDS = {T.WIDTH: "size", T.HEIGHT: "size"}  # the stage's tensors -> the OpenAI field
 
 
 class ImageBackend(TritonGrpcUser):
@@ -43,10 +44,10 @@ class ImageBackend(TritonGrpcUser):
         """
         inputs = []
         for name, datatype, value in (
-            ("prompt", "BYTES", values["prompt"].encode("utf-8")), ("width", "INT32", values["width"]),
-            ("height", "INT32", values["height"]), ("steps", "INT32", values["steps"]),
-            ("guidance_scale", "FP32", values["guidance_scale"]), ("seed", "INT64", values["seed"]),
-        ) + ((("negative_prompt", "BYTES", values["negative_prompt"].encode("utf-8")),)
+            (T.PROMPT, "BYTES", values["prompt"].encode("utf-8")), (T.WIDTH, "INT32", values["width"]),
+            (T.HEIGHT, "INT32", values["height"]), (T.STEPS, "INT32", values["steps"]),
+            (T.GUIDANCE_SCALE, "FP32", values["guidance_scale"]), (T.SEED, "INT64", values["seed"]),
+        ) + (((T.NEGATIVE_PROMPT, "BYTES", values["negative_prompt"].encode("utf-8")),)
              if values.get("negative_prompt") is not None else ()):
             if datatype == "BYTES":
                 array = np.array([[value]], dtype=np.object_)
@@ -60,4 +61,4 @@ class ImageBackend(TritonGrpcUser):
         except InferenceServerException as exc:
             raise errors.from_triton(exc.message(), exc.status(), None,
                                      lambda name: _STAGE_FIELDS.get(name, name)) from None
-        return bytes(result.as_numpy("png").reshape(-1)[0]), int(result.as_numpy("used_seed").reshape(-1)[0])
+        return bytes(result.as_numpy(T.PNG).reshape(-1)[0]), int(result.as_numpy(T.USED_SEED).reshape(-1)[0])

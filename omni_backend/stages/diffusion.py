@@ -40,7 +40,7 @@ from omni_backend.settings import setting
 from omni_backend.stages.tensors import one_value
 from omni_backend.vocabulary import FieldError
 
-INPUT_NAMES = ("prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed")
+INPUT_NAMES = (T.PROMPT, T.NEGATIVE_PROMPT, T.WIDTH, T.HEIGHT, T.STEPS, T.GUIDANCE_SCALE, T.SEED)
 MAX_SEED = 2**63 - 1
 
 
@@ -153,25 +153,25 @@ class ImageRequest:
         Raises:
             FieldError: naming the tensor (`size` for the width and height together) and what is allowed.
         """
-        prompt = one_value(arrays, "prompt", str)
+        prompt = one_value(arrays, T.PROMPT, str)
         if prompt is None or not prompt.strip():
-            raise FieldError("prompt", "must not be empty")
+            raise FieldError(T.PROMPT, "must not be empty")
         if len(prompt) > limits.max_prompt_chars:
-            raise FieldError("prompt", f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
-        negative = one_value(arrays, "negative_prompt", str)
-        width = one_value(arrays, "width", int, limits.default_size[0])
-        height = one_value(arrays, "height", int, limits.default_size[1])
+            raise FieldError(T.PROMPT, f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
+        negative = one_value(arrays, T.NEGATIVE_PROMPT, str)
+        width = one_value(arrays, T.WIDTH, int, limits.default_size[0])
+        height = one_value(arrays, T.HEIGHT, int, limits.default_size[1])
         if (width, height) not in limits.sizes:
             raise FieldError("size", f"{width}x{height} is not supported; supported sizes: "
                              f"{', '.join(limits.size_names)}")
-        steps = one_value(arrays, "steps", int, limits.default_steps)
+        steps = one_value(arrays, T.STEPS, int, limits.default_steps)
         if not 1 <= steps <= limits.max_steps:
-            raise FieldError("steps", f"must be between 1 and {limits.max_steps}, got {steps}")
-        guidance = one_value(arrays, "guidance_scale", float, limits.default_guidance)
+            raise FieldError(T.STEPS, f"must be between 1 and {limits.max_steps}, got {steps}")
+        guidance = one_value(arrays, T.GUIDANCE_SCALE, float, limits.default_guidance)
         if not (math.isfinite(guidance) and limits.min_guidance <= guidance <= limits.max_guidance):
-            raise FieldError("guidance_scale", f"must be between {limits.min_guidance} and {limits.max_guidance}, "
+            raise FieldError(T.GUIDANCE_SCALE, f"must be between {limits.min_guidance} and {limits.max_guidance}, "
                              f"got {guidance}")
-        seed = one_value(arrays, "seed", int, -1)
+        seed = one_value(arrays, T.SEED, int, -1)
         if seed < 0:
             seed = secrets.randbelow(MAX_SEED)
         return cls(prompt, negative or None, width, height, steps, float(guidance), seed)

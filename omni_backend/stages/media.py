@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from omni_backend import settings
+from omni_backend.settings import setting
+
 SAMPLE_RATE = 16_000
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}
 IMAGE_FORMAT_NAMES = "PNG, JPEG, WebP or GIF"
@@ -45,48 +48,28 @@ LARGE_IMAGE_DRAFT = 2048
 
 @dataclass
 class MediaLimits:
-    """Configurable limits (preprocess config parameters of the same names).
+    """Limits of media parts: preprocess settings (constants of its model config, parsed by `from_parameters`;
+    an absent key keeps its default here)."""
 
-    Attributes:
-        max_image_bytes: encoded size of one image.
-        max_image_pixels: width x height of one decoded image (decompression bombs stop here; smaller images of
-            any size are resized to the encoder's input size).
-        max_audio_bytes: encoded size of one audio clip.
-        max_audio_seconds: duration of one audio clip.
-        max_media_parts: image + audio parts in one request.
-        allow_http: fetch http(s) image URLs (off by default: the server would fetch arbitrary URLs).
-    """
+    max_image_bytes: int = setting(10 * 1024 * 1024, "encoded size of one image, bytes", low=1)
+    max_image_pixels: int = setting(8192 * 8192, "width x height of one decoded image (decompression bombs stop "
+                                    "here; smaller images of any size are resized to the encoder's input)", low=1)
+    max_audio_bytes: int = setting(10 * 1024 * 1024, "encoded size of one audio clip, bytes", low=1)
+    max_audio_seconds: float = setting(30.0, "duration of one audio clip, s", low=0.0, low_open=True)
+    max_media_parts: int = setting(8, "image + audio parts in one request", low=1)
+    allow_http: bool = setting(False, "fetch http(s) image URLs (off: the server would fetch arbitrary URLs)")
 
-    max_image_bytes: int = 10 * 1024 * 1024
-    max_image_pixels: int = 8192 * 8192
-    max_audio_bytes: int = 10 * 1024 * 1024
-    max_audio_seconds: float = 30.0
-    max_media_parts: int = 8
-    allow_http: bool = False
+    def __post_init__(self) -> None:
+        settings.check(self)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "MediaLimits":
-        """Limits from string parameters; empty or missing values keep the defaults.
+        """Limits from the preprocess model's string parameters (omni_backend/settings.py).
 
         Raises:
-            ValueError: a value that is not a positive number (naming the parameter).
+            ValueError: a value its setting does not allow, naming it.
         """
-        values = {}
-        for name, default in cls().__dict__.items():
-            text = str(parameters.get(name, "") or "").strip()
-            if not text:
-                continue
-            if isinstance(default, bool):
-                values[name] = text.lower() in ("1", "true", "yes", "on")
-                continue
-            try:
-                value = type(default)(float(text)) if isinstance(default, int) else float(text)
-            except ValueError:
-                raise ValueError(f"parameter {name} must be a number, got {text!r}") from None
-            if value <= 0:
-                raise ValueError(f"parameter {name} must be positive, got {text!r}")
-            values[name] = value
-        return cls(**values)
+        return settings.from_strings(cls, parameters)
 
 
 def _b64decode(data: str, where: str) -> bytes:

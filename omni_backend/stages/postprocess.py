@@ -29,11 +29,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from omni_backend import tensor_names as T
 from omni_backend.settings import parse_field
 from omni_backend.stages.tensors import one_value, string_tensor
 
-INPUT_NAMES = ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-               "output_logprobs", "prompt_token_logprobs")
+INPUT_NAMES = (T.TEXT_OUTPUT, T.FINISH_REASON, T.PROMPT_TOKENS, T.COMPLETION_TOKENS, T.CACHED_TOKENS,
+               T.OUTPUT_LOGPROBS, T.PROMPT_TOKEN_LOGPROBS)
 OUTPUT_NAMES = INPUT_NAMES
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -124,7 +125,7 @@ class Postprocessor:
         return cls.from_pretrained(parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"),
                                                "llm_model_path"))
 
-    def convert_logprobs(self, engine_json: str, name: str = "output_logprobs") -> str:
+    def convert_logprobs(self, engine_json: str, name: str = T.OUTPUT_LOGPROBS) -> str:
         """Engine logprobs JSON (`[{"id", "logprob", "top": [[id, logprob], ...]}]`) -> OpenAI-style JSON.
 
         Returns "" for "" (logprobs not requested).
@@ -153,13 +154,13 @@ class Postprocessor:
         """
         return {
             # The engine's text deltas are already UTF-8 safe: passed through as the same bytes.
-            "text_output": _one_string(arrays, "text_output"),
-            "finish_reason": string_tensor(one_value(arrays, "finish_reason", str, "")),
-            "prompt_tokens": np.asarray([one_value(arrays, "prompt_tokens", int, 0)], dtype=np.int32),
-            "completion_tokens": np.asarray([one_value(arrays, "completion_tokens", int, 0)], dtype=np.int32),
-            "cached_tokens": np.asarray([one_value(arrays, "cached_tokens", int, 0)], dtype=np.int32),
+            T.TEXT_OUTPUT: _one_string(arrays, T.TEXT_OUTPUT),
+            T.FINISH_REASON: string_tensor(one_value(arrays, T.FINISH_REASON, str, "")),
+            T.PROMPT_TOKENS: np.asarray([one_value(arrays, T.PROMPT_TOKENS, int, 0)], dtype=np.int32),
+            T.COMPLETION_TOKENS: np.asarray([one_value(arrays, T.COMPLETION_TOKENS, int, 0)], dtype=np.int32),
+            T.CACHED_TOKENS: np.asarray([one_value(arrays, T.CACHED_TOKENS, int, 0)], dtype=np.int32),
             **{name: string_tensor(self.convert_logprobs(one_value(arrays, name, str, ""), name))
-               for name in ("output_logprobs", "prompt_token_logprobs")},
+               for name in (T.OUTPUT_LOGPROBS, T.PROMPT_TOKEN_LOGPROBS)},
         }
 
 

@@ -140,8 +140,10 @@ class MediaConfig:
         from omni_backend.stages.media import MediaLimits
         from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, media_source
 
+        from omni_backend.engine.config import EngineConfig
+
         limits = MediaLimits.from_parameters(parameters)
-        llm_model_path = parameters.get("llm_model_path", "")
+        llm_model_path = parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"), "llm_model_path")
         specs, prompt = {}, None
         for kind, key in (("image", "vision_model_path"), ("audio", "audio_model_path")):
             configured = parameters.get(key, "")

@@ -52,6 +52,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from omni_backend import settings
+from omni_backend import tensor_names as T
 from omni_backend.settings import setting
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.stages.tts_input import speech_text, unspeakable_reason
@@ -59,9 +60,9 @@ from omni_backend.stages.tts_options import DEFAULT_VOICE, SpeechOptions
 from omni_backend.stages.tts_text import SentenceChunker
 from omni_backend.vocabulary import FieldError
 
-COUNT_NAMES = ("prompt_tokens", "completion_tokens", "cached_tokens")  # LLM token counts, passed through
-INPUT_NAMES = ("text", "finish_reason", *COUNT_NAMES, "options")
-OUTPUT_NAMES = ("text_output", "audio", "sample_rate", "chunk_index", "finish_reason", *COUNT_NAMES)
+COUNT_NAMES = (T.PROMPT_TOKENS, T.COMPLETION_TOKENS, T.CACHED_TOKENS)  # LLM token counts, passed through
+INPUT_NAMES = (T.TEXT, T.FINISH_REASON, *COUNT_NAMES, T.OPTIONS)
+OUTPUT_NAMES = (T.TEXT_OUTPUT, T.AUDIO, T.SAMPLE_RATE, T.CHUNK_INDEX, T.FINISH_REASON, *COUNT_NAMES)
 
 
 class SpeechSynthesizer(Protocol):
@@ -190,13 +191,13 @@ class SpeechStage:
         Raises:
             FieldError: bad tensors or options, naming the tensor (`text`) or the option (`options.voice`).
         """
-        text = one_value(arrays, "text", str)
+        text = one_value(arrays, T.TEXT, str)
         if text is None:
-            raise FieldError("text", "is required")
-        finish_reason = one_value(arrays, "finish_reason", str, "")
+            raise FieldError(T.TEXT, "is required")
+        finish_reason = one_value(arrays, T.FINISH_REASON, str, "")
         counts = {name: one_value(arrays, name, int, 0) for name in COUNT_NAMES}
         try:
-            options = SpeechOptions.from_json(one_value(arrays, "options", str, ""))
+            options = SpeechOptions.from_json(one_value(arrays, T.OPTIONS, str, ""))
         except FieldError as exc:
             raise FieldError(f"options.{exc.field}", exc.problem) from None
         if options.voice not in self.synthesizer.voices:
@@ -205,12 +206,12 @@ class SpeechStage:
 
         if not options.stream:  # self-contained: the whole text now
             if not text.strip():
-                raise FieldError("text", "must not be empty")
+                raise FieldError(T.TEXT, "must not be empty")
             if len(text) > self.max_text_chars:
-                raise FieldError("text", f"is {len(text)} characters; the limit is {self.max_text_chars}")
+                raise FieldError(T.TEXT, f"is {len(text)} characters; the limit is {self.max_text_chars}")
             reason = unspeakable_reason(text)
             if reason is not None:
-                raise FieldError("text", reason)
+                raise FieldError(T.TEXT, reason)
             text = speech_text(text)
             # The whole text is here: cut at sentence ends, and the first phrase also at a clause boundary
             # (",", ";", ":") so audio starts early, but never mid-clause (that would break its prosody).
@@ -238,11 +239,11 @@ class SpeechStage:
             else []
         audio = np.concatenate(pieces).astype(np.int16) if pieces else np.zeros(0, dtype=np.int16)
         return {
-            "text_output": string_tensor(chunk["text"]),
-            "audio": audio,
-            "sample_rate": np.asarray([self.synthesizer.sample_rate], dtype=np.int32),
-            "chunk_index": np.asarray([chunk["index"]], dtype=np.int32),
-            "finish_reason": string_tensor(chunk["finish_reason"]),
+            T.TEXT_OUTPUT: string_tensor(chunk["text"]),
+            T.AUDIO: audio,
+            T.SAMPLE_RATE: np.asarray([self.synthesizer.sample_rate], dtype=np.int32),
+            T.CHUNK_INDEX: np.asarray([chunk["index"]], dtype=np.int32),
+            T.FINISH_REASON: string_tensor(chunk["finish_reason"]),
             **{name: np.asarray([chunk[name]], dtype=np.int32) for name in COUNT_NAMES},
         }
 

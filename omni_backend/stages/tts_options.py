@@ -43,13 +43,13 @@ def resolve_voice(name: str | None, installed: tuple[str, ...] = (DEFAULT_VOICE,
         FieldError: empty, or not a known voice (the message lists the names accepted).
     """
     if name is None or not str(name).strip():
-        raise FieldError("voice", "must not be empty")
+        raise FieldError(T.VOICE, "must not be empty")
     key = str(name).strip().lower()
     if key in installed:
         return key
     if key in OPENAI_VOICE_ALIASES:
         return installed[0]
-    raise FieldError("voice", f"'{name}' is not available; voices: {', '.join(voice_names(installed))}")
+    raise FieldError(T.VOICE, f"'{name}' is not available; voices: {', '.join(voice_names(installed))}")
 
 
 def check_format(name: str | None, available: tuple[str, ...] = AUDIO_FORMATS) -> str:
@@ -60,7 +60,7 @@ def check_format(name: str | None, available: tuple[str, ...] = AUDIO_FORMATS) -
     """
     key = (name or DEFAULT_FORMAT).strip().lower()
     if key not in available:
-        raise FieldError("audio_format", f"'{name}' is not supported; supported: {', '.join(available)}")
+        raise FieldError(T.AUDIO_FORMAT, f"'{name}' is not supported; supported: {', '.join(available)}")
     return key
 
 
@@ -73,9 +73,9 @@ def check_speed(value: float | None) -> float:
     try:
         speed = 1.0 if value is None else float(value)
     except (TypeError, ValueError):
-        raise FieldError("speed", f"must be a number, got {value!r}") from None
+        raise FieldError(T.SPEED, f"must be a number, got {value!r}") from None
     if not MIN_SPEED <= speed <= MAX_SPEED:  # also rejects NaN
-        raise FieldError("speed", f"must be between {MIN_SPEED} and {MAX_SPEED}, got {value}")
+        raise FieldError(T.SPEED, f"must be between {MIN_SPEED} and {MAX_SPEED}, got {value}")
     return speed
 
 

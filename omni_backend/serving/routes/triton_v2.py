@@ -31,6 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tritonclient.utils import InferenceServerException
 
+from omni_backend import tensor_names as T
 from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving import errors
 from omni_backend.serving.errors import OpenAIError
@@ -180,7 +181,7 @@ def _generate_error(upstream_status: int, data: bytes, model: str) -> JSONRespon
     if "exactly 1 response" in message:  # the model sent several responses (a stream) to /generate
         return _triton_error(400, f"{message}: POST /v2/models/{model}/generate_stream sends each response as a "
                              "server-sent event")
-    error = errors.from_triton(message, None, "text_input", lambda field: field)
+    error = errors.from_triton(message, None, T.TEXT_INPUT, lambda field: field)
     status = error.status
     if status == 500 and StageError.parse(message) is None and upstream_status != 200:
         status = upstream_status  # Triton's own words (a missing input, an unknown model): its status stands

@@ -1,0 +1,273 @@
+"""The code's structure, checked: no import cycles, no import running up a layer, every setting declared once,
+every Triton tensor name and the operator's header spelt only in the vocabulary.
+
+Layers, lowest first (a module may import its own layer and those below, never one above):
+
+    foundation   kernels/, omni_backend/paths.py, omni_backend/settings.py
+    ops          omni_backend/ops/, omni_backend/checkpoints.py
+    engine       omni_backend/engine/
+    vocabulary   omni_backend/vocabulary.py, tensor_names.py, operator_key.py
+    stages       omni_backend/stages/
+    serving      omni_backend/serving/, launch/, setup/, repository.py
+    glue         model_repository/*/1/model.py, scripts/
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from omni_backend import repository, settings
+from omni_backend import tensor_names as T
+from omni_backend.vocabulary import PROMPT_TENSORS, SAMPLING_FIELDS
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "omni_backend"
+LAYERS = (
+    ("foundation", ("kernels", "omni_backend.paths", "omni_backend.settings")),
+    ("ops", ("omni_backend.ops", "omni_backend.checkpoints")),
+    ("engine", ("omni_backend.engine",)),
+    ("vocabulary", ("omni_backend.vocabulary", "omni_backend.tensor_names", "omni_backend.operator_key")),
+    ("stages", ("omni_backend.stages",)),
+    ("serving", ("omni_backend.serving", "omni_backend.launch", "omni_backend.setup", "omni_backend.repository")),
+    ("glue", ("model_repository", "scripts")),
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> dict[str, Path]:
+    """Module name -> file, for omni_backend, kernels, the model glue and the scripts."""
+    files = [*(ROOT / PACKAGE).rglob("*.py"), *(ROOT / "kernels").glob("*.py"),
+             *(ROOT / "model_repository").glob("*/1/model.py"), *(ROOT / "scripts").glob("*.py")]
+    return {module_name(p): p for p in files if "__pycache__" not in p.parts}
+
+
+def import_graph(files: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (`from a.b import c` counts as a.b.c when c is a module, else
+    a.b; `import a.b` as a.b); relative imports resolved."""
+    files = files or source_files()
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in files and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layer_of(module: str) -> int:
+    for level, (_, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return level
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert len(graph) > 50 and graph["omni_backend.serving.app"], "the graph was not read"
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_runs_up_a_layer():
+    graph = import_graph()
+    upward = sorted(f"{source} ({LAYERS[layer_of(source)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})"
+                    for source, targets in graph.items() for target in targets
+                    if layer_of(target) > layer_of(source))
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert layer_of("omni_backend.ops.governor") < layer_of("omni_backend.vocabulary") < layer_of(
+        "omni_backend.stages.llm.service")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings
+
+def _templates() -> dict[str, str]:
+    return {p.parent.name: p.read_text() for p in (ROOT / "model_repository").glob("*/config.pbtxt")}
+
+
+def test_no_template_declares_an_operator_setting_by_hand():
+    """A model config gets an operator setting's value from its placeholder (or the llm's generated block), never
+    as a literal that would drift from the declaration."""
+    names = set(repository.Settings.load(environ={}).as_strings())
+    fields = {f.name for cls, _ in repository.SETTING_GROUPS for f, _ in settings.declared(cls)}
+    literal = re.compile(r'parameters\s*\{\s*key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+    found = [(model, key, value) for model, text in _templates().items() for key, value in literal.findall(text)
+             if (key in names or key in fields) and not re.fullmatch(r"\$\{\w+\}", value)]
+    assert found == []
+    assert "parameters {" not in re.sub(r"#.*", "", _templates()["llm"])  # the llm's block is generated
+
+
+PARAMETER_DICTS = {"parameters", "setting", "settings", "params", "p"}  # names the glue gives string parameters
+
+
+def test_no_module_redeclares_a_setting():
+    """A class-level field named like an operator setting lives only in the class that declares it; a Python
+    literal default for one (`parameters.get("threads", "0")`) would be a second declaration too."""
+    declaring = {cls.__module__ for cls, _ in repository.SETTING_GROUPS}
+    names = {settings.operator_name(f, spec, prefix) for cls, prefix in repository.SETTING_GROUPS
+             for f, spec in settings.declared(cls) if spec.operator}
+    names |= {f.name for cls, _ in repository.SETTING_GROUPS for f, _ in settings.declared(cls)}
+    found = []
+    for module, path in source_files().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and module not in declaring:
+                found += [f"{module}.{node.name}.{item.target.id}" for item in node.body
+                          if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                          and item.target.id in names and item.value is not None]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and getattr(node.func.value, "id", None) in PARAMETER_DICTS and len(node.args) == 2 \
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value in names:
+                found.append(f"{module}:{node.lineno} .get({node.args[0].value!r}, <default>)")
+    assert found == []
+
+
+def test_the_settings_table_in_the_docs_is_the_declarations():
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    assert repository.settings_table() in docs, "run: python -m omni_backend.repository --table"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor names and the operator's header
+
+def config_tensor_names() -> set[str]:
+    """Every input and output of the model configs and every name in the ensembles' maps (names starting with
+    "_" are an ensemble's own, never seen outside its config)."""
+    names = set()
+    for text in _templates().values():
+        text = re.sub(r"#.*", "", text)
+        for block in re.findall(r"(?:input|output)\s*\[(.*?)\n\]", text, re.S):
+            names.update(re.findall(r'name:\s*"(\w+)"', block))
+        for key, value in re.findall(r'(?:input_map|output_map)\s*\{\s*key:\s*"(\w+)"\s*value:\s*"(\w+)"', text):
+            names.update((key, value))
+    return {name for name in names if not name.startswith("_")}
+
+
+VOCABULARY_NAMES = ({value for name, value in vars(T).items() if name.isupper()}
+                    | {f.tensor for f in SAMPLING_FIELDS} | set(PROMPT_TENSORS))
+OWNERS = ("omni_backend.tensor_names", "omni_backend.vocabulary", "omni_backend.operator_key")
+# Calls, and variables holding tensors by name, whose string arguments or keys are tensor names.
+TENSOR_CALLS = {"Tensor", "get_input_tensor_by_name", "get_output_tensor_by_name", "InferInput",
+                "InferRequestedOutput", "as_numpy", "one_value", "text_list", "FieldError", "_one_string"}
+TENSOR_DICTS = {"arrays", "outputs", "tensors", "out"}
+ARRAY_MAKERS = {"array", "asarray", "zeros", "ones", "string_tensor", "ascontiguousarray", "full"}
+
+
+def tensor_name_literals(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every string literal used as a tensor name: an argument of a tensor call, a key of a
+    tensors-by-name variable, an element of a `*_NAMES` tuple, or a dict key whose value builds an array."""
+    found = []
+
+    def note(node) -> None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.append((node.lineno, node.value))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in TENSOR_CALLS:
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    note(arg)
+            if func == "get" and isinstance(node.func, ast.Attribute) and \
+                    getattr(node.func.value, "id", None) in TENSOR_DICTS and node.args:
+                note(node.args[0])
+            for keyword in node.keywords:
+                if keyword.arg == "requested_output_names" and isinstance(keyword.value, (ast.List, ast.Tuple)):
+                    for element in keyword.value.elts:
+                        note(element)
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) in TENSOR_DICTS:
+            note(node.slice)
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
+                any(getattr(c, "id", None) in TENSOR_DICTS for c in node.comparators):
+            note(node.left)
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", "").endswith("NAMES") for t in node.targets) \
+                and isinstance(node.value, (ast.Tuple, ast.List)):
+            for element in node.value.elts:
+                note(element)
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(value, ast.Call):
+                    func = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+                    if func in ARRAY_MAKERS:
+                        note(key)
+    return found
+
+
+def test_every_tensor_of_the_model_configs_is_in_the_vocabulary():
+    assert config_tensor_names() - VOCABULARY_NAMES == set()
+    assert len(config_tensor_names()) > 50, "the configs were not read"
+
+
+def test_no_module_spells_out_a_tensor_name_or_the_operator_header():
+    names = config_tensor_names()
+    found = []
+    for module, path in source_files().items():
+        if module in OWNERS:
+            continue
+        text = path.read_text()
+        found += [f"{module}:{line} {name!r}" for line, name in tensor_name_literals(ast.parse(text), names)]
+        if "omni-admin-key" in text:
+            found.append(f"{module}: 'omni-admin-key' (operator_key.ADMIN_KEY_HEADER)")
+    assert found == []
+
+
+def test_the_literal_finder_finds_literals():
+    code = ('x = one_value(arrays, "text_output", str)\ny = {"input_ids": np.array([1])}\n'
+            'INPUT_NAMES = ("prompt_embeds",)\nz = arrays["passthrough"]\nok = {"image": "kind"}\n')
+    assert sorted(name for _, name in tensor_name_literals(ast.parse(code), config_tensor_names())) == [
+        "input_ids", "passthrough", "prompt_embeds", "text_output"]

@@ -162,3 +162,46 @@ def test_the_same_photo_twice_is_encoded_once(mm_front_door, mm_server):
     after = counters()
     assert answers[0] == answers[1]
     assert [a - b for a, b in zip(after, before)] == [2, 1]
+
+
+def test_a_bad_item_fails_only_its_own_request_in_a_dynamic_batch(mm_front_door, mm_server):
+    """Two requests reach the vision encoder in one dynamic batch (one execution, two inferences): the one with
+    a NaN pixel gets INVALID_ARG naming pixel_values, the other its embeddings, equal to the same item alone."""
+    import tritonclient.grpc as grpcclient
+
+    from omni_backend import tensor_names as T
+
+    rng = np.random.default_rng(0)
+    good = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
+    bad = good.copy()
+    bad[0, 1, 7, 9] = np.nan
+
+    def encode(pixels):
+        client = grpcclient.InferenceServerClient(mm_server.grpc_url)
+        tensor = grpcclient.InferInput(T.PIXEL_VALUES, list(pixels.shape), "FP32")
+        tensor.set_data_from_numpy(pixels)
+        try:
+            return client.infer("vision_encoder", [tensor]).as_numpy(T.EMBEDDINGS)
+        except Exception as exc:  # tritonclient's InferenceServerException
+            return exc
+        finally:
+            client.close()
+
+    alone = encode(good * 0.5)  # another item than `good`, so the encoder cache cannot answer for `good` below
+    assert isinstance(alone, np.ndarray)
+    for _ in range(3):  # two requests sent together batch within the encoder's 50 ms queue delay
+        good = good + 1.0  # a new item each try: a cached one would not reach the encoder
+        bad = good.copy()
+        bad[0, 1, 7, 9] = np.nan
+        before = _stats(mm_server, "vision_encoder")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(encode, [good, bad]))
+        after = _stats(mm_server, "vision_encoder")
+        if after[1] - before[1] == 1:
+            break
+    assert after[1] - before[1] == 1, "the two requests never met in one batch"
+    embeddings, error = answers
+    assert isinstance(embeddings, np.ndarray) and embeddings.shape[0] == 1
+    assert isinstance(error, Exception) and "pixel_values must be finite" in error.message(), error
+    np.testing.assert_array_equal(embeddings, encode(good))  # now from the cache: what the batch gave it
+    assert_ok(*chat(mm_front_door, text="Say hi."))

@@ -212,13 +212,9 @@ class ChoiceResult:
 
 async def collect(generation: Generation,
                   items: AsyncIterator[tuple[Choice, Step | Audio]] | None = None) -> list[ChoiceResult]:
-    """Run every choice to the end: per choice its text, logprob entries, finish reason and token counts (prompt,
-    completion, and the prompt tokens the prefix cache supplied).
-
-    Args:
-        items: what to run: `generation.merged()` (the default), or a spoken answer's steps and audio
-            (`SpokenAnswer.merged`, serving/spoken.py).
-    """
+    """Run every choice to the end: per choice its text, logprob entries, finish reason, token counts (prompt,
+    completion, and the prompt tokens the prefix cache supplied) and audio. `items`: `generation.merged()` (the
+    default), or a spoken answer's steps and audio (`SpokenAnswer.merged`, serving/spoken.py)."""
     texts: list[list[str]] = [[] for _ in generation.choices]
     out = [ChoiceResult("", None, c.prepared.prompt_tokens, 0) for c in generation.choices]
     async for choice, step in (generation.merged() if items is None else items):

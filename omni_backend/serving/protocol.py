@@ -186,11 +186,8 @@ class ChatCompletionRequest(_Request):
                 raise invalid("logprobs are not available with audio output", "logprobs")
 
     def speech_options(self) -> SpeechOptions | None:
-        """How to speak the answer (None: it is only written).
-
-        Raises:
-            OpenAIError: 400 naming `audio.voice` or `audio.format`.
-        """
+        """How to speak the answer (None: it is only written). Raises OpenAIError 400 naming `audio.voice` or
+        `audio.format`."""
         if self.audio is None:
             return None
         return SpeechOptions(voice=speech_voice(self.audio.voice, "audio.voice"),
@@ -311,10 +308,7 @@ class CompletionRequest(_Request):
 
 def speech_voice(value: Any, field: str) -> str:
     """The installed voice that speaks for `value` (a voice name, or OpenAI's `{"id": name}` for a custom voice).
-
-    Raises:
-        OpenAIError: 400 naming `field` when it is no string or no voice this server has.
-    """
+    Raises OpenAIError 400 naming `field` when it is no string or no voice this server has."""
     if isinstance(value, dict):
         value = value.get("id")
     if not isinstance(value, str):
@@ -327,11 +321,8 @@ def speech_voice(value: Any, field: str) -> str:
 
 def speech_format(value: Any, field: str, allowed: dict[str, str]) -> str:
     """tts_audio's name for the audio format `value` (a key of `allowed`, which maps the client's names to ours).
-
-    Raises:
-        OpenAIError: 400 naming `field` when it is not in `allowed` or not writable here (mp3 needs a libsndfile
-            that writes it); the message lists the formats that are.
-    """
+    Raises OpenAIError 400 naming `field`, listing the formats there are, when it is not in `allowed` or cannot be
+    written here (mp3 needs a libsndfile that writes it)."""
     available = set(tts_audio.formats())
     names = [name for name, ours in allowed.items() if ours in available]
     if not isinstance(value, str) or value not in allowed or allowed[value] not in available:

@@ -105,7 +105,7 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
     echoed = {c.index: not request.echo for c in generation.choices}
     try:
         if chat:
-            first = {"role": "assistant", "content": ""} if spoken is None else spoken.first_delta()
+            first = {"role": "assistant", "content": "" if spoken is None else None}  # spoken: no text content
             yield chunk([{"index": c.index, "delta": first, "logprobs": None, "finish_reason": None}
                          for c in generation.choices])
         async for choice, step in generation.merged() if spoken is None else spoken.merged(generation):

@@ -1,13 +1,9 @@
-"""A chat answer spoken as well as written: chat completions with `"modalities": ["text", "audio"]`.
-
-The chat pipeline runs as for a written answer (serving/generation.py; the llm streams, serving/protocol.py has
-checked `audio.voice` and `audio.format`). `SpokenAnswer.merged` cuts the streamed text into phrases with the
-`SentenceChunker` the omni_speech ensemble uses and has the `tts` stage (serving/speech_backend.py) speak each
-phrase with something to say as soon as it is complete, while the LLM goes on. serving/responses.py shapes the
-answer as it does a written one, with this module's pieces where the text would be: OpenAI's `message.audio`
-(id, base64 data, expires_at, transcript = the text; `content` is null) or, streamed, each text delta as
-`delta.audio.transcript`, each phrase's audio as `delta.audio.data` (pcm16 only, as with OpenAI) and
-`delta.audio.expires_at` with the finish reason.
+"""A chat answer spoken as well as written (`"modalities": ["text", "audio"]`): the chat pipeline runs as for text,
+the streamed text is cut into phrases by the omni_speech ensemble's `SentenceChunker`, and the `tts` stage speaks
+each phrase as soon as it is complete, while the LLM goes on. serving/responses.py shapes the answer as a written
+one, with OpenAI's audio pieces from here: `message.audio` (id, base64 data, expires_at, transcript = the text),
+or streamed `delta.audio.transcript` per text delta, `delta.audio.data` per phrase (pcm16 only, as with OpenAI)
+and `delta.audio.expires_at` with the finish reason.
 """
 
 from __future__ import annotations
@@ -105,9 +101,6 @@ class SpokenAnswer:
         return {"role": "assistant", "content": None, "refusal": None,
                 "audio": {"id": self.id, "data": base64.b64encode(data).decode("ascii"),
                           "expires_at": protocol.now() + AUDIO_EXPIRY_S, "transcript": result.text}}
-
-    def first_delta(self) -> dict:
-        return {"role": "assistant", "content": None}
 
     def text_delta(self, text: str) -> dict:
         return {"audio": {"id": self.id, "transcript": text}}

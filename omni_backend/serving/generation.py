@@ -4,17 +4,19 @@
 parsed and validated (serving/protocol.py): prompts, and the sampling settings by their vocabulary names
 (`omni_backend.vocabulary`, SamplingParams attributes). `Generation` runs its choices: each (prompt, choice) is
 prepared by preprocess and streamed from the llm stage (serving/pipeline.py), and the steps of all choices are
-merged in arrival order. Shaping the answer is serving/responses.py's.
+merged in arrival order. Shaping the answer is serving/responses.py's; speaking it, serving/spoken.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from omni_backend.serving import errors
 from omni_backend.serving.pipeline import Prepared, Step, TritonPipeline
+from omni_backend.serving.speech_backend import Audio
+from omni_backend.stages.tts_options import SpeechOptions
 
 
 @dataclass
@@ -43,6 +45,7 @@ class GenerationRequest:
             checked and counted, and the llm stage runs only when the prompt's logprobs are asked (its one token
             is dropped).
         prompt_logprobs: the prompt's tokens get logprobs too (completions' echo with logprobs).
+        speech: how to speak the answer (chat with audio output; n is 1), None for a written answer only.
     """
 
     kind: str
@@ -55,9 +58,11 @@ class GenerationRequest:
     echo: bool = False
     generate: bool = True
     prompt_logprobs: bool = False
+    speech: SpeechOptions | None = None
 
     @property
     def stream(self) -> bool:
+        """The client asked for a streamed answer."""
         return bool(self.settings.get("stream"))
 
     @property
@@ -66,10 +71,11 @@ class GenerationRequest:
 
     def choice_settings(self, index: int) -> dict[str, Any]:
         """The settings of choice `index` of a prompt: seeded choices use seed + index, so they differ and
-        repeat across calls."""
-        if self.settings.get("seed") is None or self.n == 1:
-            return self.settings
-        return {**self.settings, "seed": self.settings["seed"] + index}
+        repeat across calls; a spoken answer streams from the llm (its phrases are spoken while it goes on)."""
+        settings = self.settings if self.speech is None else {**self.settings, "stream": True}
+        if settings.get("seed") is None or self.n == 1:
+            return settings
+        return {**settings, "seed": settings["seed"] + index}
 
 
 class Choice:
@@ -192,7 +198,7 @@ class Generation:
 
 @dataclass
 class ChoiceResult:
-    """A choice run to its end (token counts as in `Step`)."""
+    """A choice run to its end (token counts as in `Step`; `audio`: a spoken answer's audio, phrase by phrase)."""
 
     text: str
     finish_reason: str | None
@@ -201,15 +207,21 @@ class ChoiceResult:
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict] | None = None
     cached_tokens: int = 0
+    audio: list[Audio] = field(default_factory=list)
 
 
-async def collect(generation: Generation) -> list[ChoiceResult]:
-    """Run every choice to the end: per choice its text, logprob entries, finish reason and token counts (prompt,
-    completion, and the prompt tokens the prefix cache supplied)."""
+async def collect(generation: Generation,
+                  items: AsyncIterator[tuple[Choice, Step | Audio]] | None = None) -> list[ChoiceResult]:
+    """Run every choice to the end: per choice its text, logprob entries, finish reason, token counts (prompt,
+    completion, and the prompt tokens the prefix cache supplied) and audio. `items`: `generation.merged()` (the
+    default), or a spoken answer's steps and audio (`SpokenAnswer.merged`, serving/spoken.py)."""
     texts: list[list[str]] = [[] for _ in generation.choices]
     out = [ChoiceResult("", None, c.prepared.prompt_tokens, 0) for c in generation.choices]
-    async for choice, step in generation.merged():
+    async for choice, step in (generation.merged() if items is None else items):
         item = out[choice.index]
+        if isinstance(step, Audio):
+            item.audio.append(step)
+            continue
         texts[choice.index].append(step.text)
         if step.logprobs is not None:
             item.logprobs = (item.logprobs or []) + step.logprobs

@@ -3,6 +3,9 @@
 Field names follow the OpenAI API reference; the ranges of the sampling settings are `SamplingParams`' (through
 `omni_backend.vocabulary`), narrowed where a Triton tensor type holds less (max_tokens and top_k are INT32).
 Extensions beyond OpenAI's fields, as vLLM spells them: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`.
+A chat request with `audio` or with "audio" among its `modalities` asks for a spoken answer
+(serving/spoken.py): `audio.voice` (a voice name, or OpenAI's `{"id": name}`) and `audio.format` are checked here
+with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (`speech_voice`, `speech_format`).
 
 Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
 read as true or 16. `null` means the default for every field the OpenAI API reference marks nullable (all the
@@ -23,11 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from omni_backend.serving.errors import OpenAIError, invalid
 from omni_backend.serving.generation import GenerationRequest, Prompt
-from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES
+from omni_backend.stages import tts_audio
+from omni_backend.stages.tts_options import SpeechOptions, resolve_voice
+from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES, FieldError
 
 MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on `logprobs`
 MEDIA_PARTS = ("image_url", "input_audio")  # content parts sent on to preprocess, which decodes them
+CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI's name -> tts_audio's
 
 
 def setting(param: str, default=None):
@@ -118,6 +124,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class AudioOutput(BaseModel):
+    """A chat request's `audio`: how to speak the answer."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    voice: str | dict[str, Any]
+    format: str
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_tokens: int | None = setting("max_tokens")
@@ -129,12 +144,25 @@ class ChatCompletionRequest(_Request):
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
+    audio: AudioOutput | None = None
 
     NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"messages"}
 
+    @property
+    def spoken(self) -> bool:
+        """The answer is to be spoken too: `audio` is given or "audio" is among the `modalities`."""
+        return self.audio is not None or "audio" in (self.modalities or [])
+
     def check(self) -> None:
         """Raises OpenAIError (400 naming the field) for what the schema alone does not catch."""
+        if self.spoken:
+            modalities = self.modalities or ["text", "audio"]
+            if set(modalities) - {"text", "audio"} or "audio" not in modalities:
+                raise invalid("modalities must be [\"text\", \"audio\"] for audio output", "modalities")
+            if self.audio is None:
+                raise invalid("'audio' ({\"voice\", \"format\"}) is required when modalities include \"audio\"",
+                              "audio")
+            self.speech_options()
         self.check_common()
         if not self.messages:
             raise invalid("messages must be a non-empty list", "messages")
@@ -144,11 +172,26 @@ class ChatCompletionRequest(_Request):
             raise invalid("tool_choice is not supported by this server", "tool_choice")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
-        if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
+        if not self.spoken and self.modalities and set(self.modalities) - {"text"}:
             raise invalid("modalities: [\"text\"], or [\"text\", \"audio\"] with \"audio\" for audio output",
                           "modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.spoken:
+            if self.n != 1:
+                raise invalid("n must be 1 when audio output is requested", "n")
+            if self.stream and self.audio.format != "pcm16":
+                raise invalid("streamed audio output needs audio.format 'pcm16'", "audio.format")
+            if self.logprobs:
+                raise invalid("logprobs are not available with audio output", "logprobs")
+
+    def speech_options(self) -> SpeechOptions | None:
+        """How to speak the answer (None: it is only written). Raises OpenAIError 400 naming `audio.voice` or
+        `audio.format`."""
+        if self.audio is None:
+            return None
+        return SpeechOptions(voice=speech_voice(self.audio.voice, "audio.voice"),
+                             audio_format=speech_format(self.audio.format, "audio.format", CHAT_AUDIO_FORMATS))
 
     def generation(self) -> GenerationRequest:
         """The pipeline request: the messages as preprocess's messages JSON, the settings by vocabulary name
@@ -162,7 +205,7 @@ class ChatCompletionRequest(_Request):
         return GenerationRequest(
             kind="chat", model=self.model, prompt_field="messages",
             prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False))], settings=settings,
-            n=self.n, include_usage=self.include_usage)
+            n=self.n, include_usage=self.include_usage, speech=self.speech_options())
 
     def messages_json(self) -> list[dict]:
         """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
@@ -261,6 +304,30 @@ class CompletionRequest(_Request):
                 raise invalid(f"prompt holds a token id outside the INT32 range: {max(item, key=abs)}", "prompt")
             prompts.append(Prompt(token_ids=item))
         return prompts
+
+
+def speech_voice(value: Any, field: str) -> str:
+    """The installed voice that speaks for `value` (a voice name, or OpenAI's `{"id": name}` for a custom voice).
+    Raises OpenAIError 400 naming `field` when it is no string or no voice this server has."""
+    if isinstance(value, dict):
+        value = value.get("id")
+    if not isinstance(value, str):
+        raise invalid(f"'{field}' is a required property and must be a string", field)
+    try:
+        return resolve_voice(value)
+    except FieldError as exc:
+        raise invalid(f"{field} {exc.problem}", field) from None
+
+
+def speech_format(value: Any, field: str, allowed: dict[str, str]) -> str:
+    """tts_audio's name for the audio format `value` (a key of `allowed`, which maps the client's names to ours).
+    Raises OpenAIError 400 naming `field`, listing the formats there are, when it is not in `allowed` or cannot be
+    written here (mp3 needs a libsndfile that writes it)."""
+    available = set(tts_audio.formats())
+    names = [name for name, ours in allowed.items() if ours in available]
+    if not isinstance(value, str) or value not in allowed or allowed[value] not in available:
+        raise invalid(f"{field} '{value}' is not supported; supported: {', '.join(names)}", field)
+    return allowed[value]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Shaping a generation into OpenAI's answers: `chat.completion` / `text_completion` objects, and their streamed
 chunks as server-sent events (`chat.completion.chunk`, `text_completion`), then usage (if asked) and `[DONE]`.
+A chat answer that is spoken too takes its message and deltas from its SpokenAnswer (serving/spoken.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from sse_starlette import ServerSentEvent
 from omni_backend.serving import protocol
 from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.generation import ChoiceResult, Generation, GenerationRequest
+from omni_backend.serving.speech_backend import Audio
+from omni_backend.serving.spoken import SpokenAnswer
 
 SYSTEM_FINGERPRINT = "fp_omni_backend"
 
@@ -50,13 +53,14 @@ def usage(request: GenerationRequest, prompt_tokens: list[int], completion_token
 
 
 def completion_object(request: GenerationRequest, generation: Generation, results: list[ChoiceResult],
-                      request_id: str) -> dict:
-    """A non-streamed `chat.completion` or `text_completion` object."""
+                      request_id: str, spoken: SpokenAnswer | None = None) -> dict:
+    """A non-streamed `chat.completion` or `text_completion` object (`spoken`: a chat answer spoken too)."""
     choices = []
     for choice, result in zip(generation.choices, results):
         if request.kind == "chat":
-            choices.append({"index": choice.index, "message": {"role": "assistant", "content": result.text},
-                            "logprobs": chat_logprobs(result.logprobs), "finish_reason": result.finish_reason})
+            message = {"role": "assistant", "content": result.text} if spoken is None else spoken.message(result)
+            choices.append({"index": choice.index, "message": message, "logprobs": chat_logprobs(result.logprobs),
+                            "finish_reason": result.finish_reason})
             continue
         prefix = choice.prepared.prompt_text if request.echo else ""
         logprobs = None
@@ -72,9 +76,11 @@ def completion_object(request: GenerationRequest, generation: Generation, result
                            [r.cached_tokens for r in results])}
 
 
-async def stream_events(request: GenerationRequest, generation: Generation, request_id: str) -> AsyncIterator:
+async def stream_events(request: GenerationRequest, generation: Generation, request_id: str,
+                        spoken: SpokenAnswer | None = None) -> AsyncIterator:
     """Server-sent events for a streamed answer: one chunk per delta, then usage (if asked), then [DONE].
 
+    `spoken`: a chat answer spoken too (its text deltas, audio deltas and finish as SpokenAnswer shapes them).
     An error after the first chunk is sent as an `{"error": ...}` event (the status line is already out).
     """
     created = protocol.now()
@@ -89,6 +95,9 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
         body.update(extra)
         return ServerSentEvent(json.dumps(body, ensure_ascii=False))
 
+    def chat_chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None):
+        return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+
     completion_tokens = {c.index: 0 for c in generation.choices}
     prompt_tokens = {c.index: c.prepared.prompt_tokens for c in generation.choices}
     cached_tokens = {c.index: 0 for c in generation.choices}
@@ -96,20 +105,25 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
     echoed = {c.index: not request.echo for c in generation.choices}
     try:
         if chat:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for c in generation.choices])
-        async for choice, step in generation.merged():
+            first = {"role": "assistant", "content": "" if spoken is None else None}  # spoken: no text content
+            yield chunk([{"index": c.index, "delta": first, "logprobs": None, "finish_reason": None}
+                         for c in generation.choices])
+        async for choice, step in generation.merged() if spoken is None else spoken.merged(generation):
             i = choice.index
+            if isinstance(step, Audio):
+                if step.samples.size:
+                    yield chat_chunk(i, spoken.audio_delta(step))
+                continue
             completion_tokens[i] = step.completion_tokens
             cached_tokens[i] = step.cached_tokens
             if step.finish_reason and step.prompt_tokens:
                 prompt_tokens[i] = step.prompt_tokens
             if chat:
                 if step.text or step.logprobs:
-                    yield chunk([{"index": i, "delta": {"content": step.text},
-                                  "logprobs": chat_logprobs(step.logprobs), "finish_reason": None}])
+                    delta = {"content": step.text} if spoken is None else spoken.text_delta(step.text)
+                    yield chat_chunk(i, delta, chat_logprobs(step.logprobs))
                 if step.finish_reason:
-                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": step.finish_reason}])
+                    yield chat_chunk(i, {} if spoken is None else spoken.finish_delta(), None, step.finish_reason)
                 continue
             if not echoed[i]:  # the prompt first, with its own logprobs when asked
                 echoed[i] = True

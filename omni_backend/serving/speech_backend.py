@@ -1,7 +1,8 @@
-"""The `tts` stage over gRPC (omni_backend/stages/tts.py): text in, (phrase, samples, sample rate) per phrase out."""
+"""The `tts` stage over gRPC (omni_backend/stages/tts.py): text in, the audio of each phrase out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
@@ -16,6 +17,21 @@ TTS_MODEL = "tts"
 _OPTION_FIELDS = {"options.voice": "voice", "options.audio_format": "response_format", "options.speed": "speed"}
 
 
+@dataclass
+class Audio:
+    """Speech: int16 mono `samples` at `rate` Hz."""
+
+    samples: np.ndarray
+    rate: int
+
+    @classmethod
+    def joined(cls, pieces: list[Audio], empty_rate: int = 0) -> Audio:
+        """`pieces` one after the other, at the last one's rate (no pieces: no samples, at `empty_rate`)."""
+        if not pieces:
+            return cls(np.zeros(0, np.int16), empty_rate)
+        return cls(np.concatenate([piece.samples for piece in pieces]), pieces[-1].rate)
+
+
 class SpeechBackend(TritonGrpcUser):
     """Self-contained tts requests: one gRPC stream per piece of text, one response per phrase."""
 
@@ -24,8 +40,8 @@ class SpeechBackend(TritonGrpcUser):
         self.model = model
 
     async def phrases(self, text: str, options: SpeechOptions, field: str = "input",
-                      request_id: str = "") -> AsyncIterator[tuple[str, np.ndarray, int]]:
-        """Speak `text`; yields (phrase, int16 samples, sample rate) in order.
+                      request_id: str = "") -> AsyncIterator[Audio]:
+        """Speak `text`; yields the Audio of each phrase in order.
 
         Closing the iterator early cancels the request.
 
@@ -49,11 +65,10 @@ class SpeechBackend(TritonGrpcUser):
                     finished = True
                     raise errors.from_triton(error.message(), None, None,
                                              lambda name: field if name == "text" else _OPTION_FIELDS.get(name, name))
-                phrase = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
-                samples = result.as_numpy("audio").reshape(-1).astype(np.int16)
-                rate = int(result.as_numpy("sample_rate").reshape(-1)[0])
+                audio = Audio(result.as_numpy("audio").reshape(-1).astype(np.int16),
+                              int(result.as_numpy("sample_rate").reshape(-1)[0]))
                 finished = bool(result.as_numpy("finish_reason").reshape(-1)[0])
-                yield phrase, samples, rate
+                yield audio
                 if finished:
                     return
             finished = True
@@ -62,9 +77,6 @@ class SpeechBackend(TritonGrpcUser):
             if not finished:
                 stream.cancel()
 
-    async def speak(self, text: str, options: SpeechOptions, field: str = "input") -> tuple[np.ndarray, int]:
-        """The whole audio of `text`: (int16 samples, sample rate)."""
-        pieces, rate = [], 0
-        async for _, samples, rate in self.phrases(text, options, field):
-            pieces.append(samples)
-        return (np.concatenate(pieces) if pieces else np.zeros(0, np.int16)), rate
+    async def speak(self, text: str, options: SpeechOptions, field: str = "input") -> Audio:
+        """The whole audio of `text`."""
+        return Audio.joined([audio async for audio in self.phrases(text, options, field)])

@@ -2,7 +2,7 @@
 
 Each route reads the body, finds the served model, validates the OpenAI request into a GenerationRequest
 (serving/protocol.py), runs it (serving/generation.py) and shapes the answer (serving/responses.py). A chat
-request asking for audio output is served by routes/speech.py.
+request asking for audio output is spoken too (serving/spoken.py).
 """
 
 from __future__ import annotations
@@ -15,34 +15,23 @@ from fastapi.responses import JSONResponse, Response
 from omni_backend.serving import protocol
 from omni_backend.serving.admission import run_admitted
 from omni_backend.serving.errors import invalid
-from omni_backend.serving.front_door import FrontDoor, door_of, require_api_key
-from omni_backend.serving.generation import Generation, GenerationRequest, collect
-from omni_backend.serving.pipeline import TritonPipeline
+from omni_backend.serving.front_door import door_of, require_api_key
+from omni_backend.serving.generation import Generation, collect
 from omni_backend.serving.request_body import read_json
 from omni_backend.serving.responses import completion_object, stream_events
-from omni_backend.serving.routes.speech import chat_with_audio, wants_audio
+from omni_backend.serving.spoken import SpokenAnswer
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    door = door_of(request)
-    body = await read_json(request, door.config.max_body_bytes)
-    pipeline = door.pipeline_for(body)
-    if wants_audio(body):
-        return await chat_with_audio(request, door, body, pipeline)
-    parsed = protocol.parse_request(protocol.ChatCompletionRequest, body)
-    return await serve(request, door, pipeline, parsed.generation(), "/v1/chat/completions")
+    return await serve(request, protocol.ChatCompletionRequest, "/v1/chat/completions")
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    door = door_of(request)
-    body = await read_json(request, door.config.max_body_bytes)
-    pipeline = door.pipeline_for(body)
-    parsed = protocol.parse_request(protocol.CompletionRequest, body)
-    return await serve(request, door, pipeline, parsed.generation(), "/v1/completions")
+    return await serve(request, protocol.CompletionRequest, "/v1/completions")
 
 
 @router.post("/v1/audio/transcriptions")
@@ -55,12 +44,19 @@ async def not_served(request: Request):
     raise invalid(f"The model `{body['model']}` does not support {request.url.path}", "model", "model_not_supported")
 
 
-async def serve(request: Request, door: FrontDoor, pipeline: TritonPipeline, generation_request: GenerationRequest,
+async def serve(request: Request, request_model: type[protocol.ChatCompletionRequest | protocol.CompletionRequest],
                 endpoint: str) -> Response:
-    """Run `generation_request` holding an admission slot: an SSE stream, or one JSON answer."""
+    """Read and validate the request, then run it holding an admission slot: an SSE stream, or one JSON answer
+    (spoken too when it asks for speech)."""
+    door = door_of(request)
+    body = await read_json(request, door.config.max_body_bytes)
+    pipeline = door.pipeline_for(body)
+    generation_request = protocol.parse_request(request_model, body).generation()
     started = time.monotonic()
     request_id = protocol.new_id("chatcmpl" if generation_request.kind == "chat" else "cmpl")
     generation = Generation(pipeline, generation_request, request_id)
+    speech = generation_request.speech
+    spoken = None if speech is None else SpokenAnswer(door.speech, speech)
 
     async def start() -> None:
         await generation.start()
@@ -68,11 +64,12 @@ async def serve(request: Request, door: FrontDoor, pipeline: TritonPipeline, gen
 
     if generation_request.stream:
         return await run_admitted(door, request, generation, start,
-                                  stream_events=stream_events(generation_request, generation, request_id))
-    results = await run_admitted(door, request, generation, start, collect=lambda: collect(generation))
+                                  stream_events=stream_events(generation_request, generation, request_id, spoken))
+    results = await run_admitted(door, request, generation, start, collect=lambda: collect(
+        generation, None if spoken is None else spoken.merged(generation)))
     if isinstance(results, Response):
         return results
-    answer = completion_object(generation_request, generation, results, request_id)
+    answer = completion_object(generation_request, generation, results, request_id, spoken)
     door.metrics.prompt_tokens.inc(answer["usage"]["prompt_tokens"])
     door.metrics.completion_tokens.inc(answer["usage"]["completion_tokens"])
     return JSONResponse(answer)

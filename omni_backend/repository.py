@@ -32,6 +32,9 @@ Settings (placeholder name, environment variable, default):
     encoder_gpu_memory_fraction OMNI_ENCODER_GPU_MEMORY_FRACTION 0.04 of the GPU for each media encoder
     diffusion_gpu_memory_fraction OMNI_DIFFUSION_GPU_MEMORY_FRACTION 0.08 of the GPU for the diffusion stage
     diffusion_model_path OMNI_DIFFUSION_MODEL_PATH <cache>/models/tiny-sd-random (diffusers pipeline folder)
+    completions_allow_special_tokens OMNI_COMPLETIONS_ALLOW_SPECIAL_TOKENS false (true: control-token strings in
+                                               a plain-text prompt, e.g. "<|im_end|>", become those tokens;
+                                               chat messages are text whatever it says)
 
 Derived placeholder: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
 KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU).
@@ -87,6 +90,8 @@ class Settings:
         gpu_memory_utilization: share of each GPU's memory its llm engine may use, in (0, 1].
         encoder_gpu_memory_fraction, diffusion_gpu_memory_fraction: the other GPU stages' shares, in (0, 1].
         diffusion_model_path: absolute path of the diffusion stage's diffusers pipeline folder.
+        completions_allow_special_tokens: preprocess tokenizes a plain-text prompt (completions' `prompt`, a
+            `text_input` that is no messages array) with its control-token strings as tokens; off, they are text.
     """
 
     llm_model_path: str = ""
@@ -107,6 +112,7 @@ class Settings:
     encoder_gpu_memory_fraction: float = 0.04
     diffusion_gpu_memory_fraction: float = 0.08
     diffusion_model_path: str = ""
+    completions_allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not self.llm_model_path:
@@ -137,7 +143,7 @@ class Settings:
             if isinstance(getattr(self, name), bool) or not 0.0 < value <= 1.0:
                 raise ValueError(f"setting {name} must be a number in (0, 1], got {getattr(self, name)!r}")
             setattr(self, name, value)
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "completions_allow_special_tokens"):
             value = getattr(self, name)
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 value = value.lower() in ("true", "1")

@@ -2,12 +2,20 @@
 
 Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_token_ids` [-1]):
 
-    text_input          STRING  plain text prompt, tokenized as it is (the tokenizer's own special-token
-                                rules), or an OpenAI-style messages JSON array (see `parse_messages`) to
-                                which the tokenizer's chat template is applied with a generation prompt
+    text_input          STRING  plain text prompt, tokenized as text (control-token strings such as
+                                "<|im_end|>" are their text pieces, unless the operator setting
+                                `completions_allow_special_tokens` lets them be tokens), or an OpenAI-style
+                                messages JSON array (see `parse_chat`) to which the chat template is applied;
+                                the messages' strings are always text: only the template writes control
+                                tokens (`chat_template.ChatTemplate`)
     prompt_token_ids    INT32   a prompt given as token ids (the OpenAI front door's completions with
                                 token-id prompts); when present it is used as it is and `text_input`
                                 is ignored (send "")
+    add_generation_prompt BOOL  (messages only; default true) end the prompt with the template's opening of an
+                                assistant turn
+    continue_final_message BOOL (messages only; default false) end the prompt inside the last message, which
+                                must be the assistant's, so that the answer continues it; true together with
+                                add_generation_prompt is refused
     the settings of `omni_backend.vocabulary.SAMPLING_FIELDS` (max_tokens, stream, temperature, top_p, top_k,
     min_p, random_seed, stop_words, penalties, ignore_eos, logprobs), all optional; ranges are SamplingParams'.
     An absent `max_tokens` means the rest of the context (max_model_len - prompt tokens).
@@ -42,10 +50,12 @@ import secrets
 import numpy as np
 
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
+from omni_backend.stages.chat_template import ChatTemplate
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, ErrorKind, FieldError, StageError
 
-INPUT_NAMES = ("text_input", *(f.tensor for f in SAMPLING_FIELDS), "prompt_token_ids")
+TEMPLATE_FLAGS = {"add_generation_prompt": True, "continue_final_message": False}  # BOOL inputs -> their defaults
+INPUT_NAMES = ("text_input", *(f.tensor for f in SAMPLING_FIELDS), "prompt_token_ids", *TEMPLATE_FLAGS)
 OUTPUT_NAMES = ("input_ids", "sampling_params", "prompt_text")
 MEDIA_OUTPUT_NAMES = ("pixel_values", "input_features", "media_parts", "media_positions")
 MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio"}
@@ -59,7 +69,8 @@ def parse_messages(text: str) -> list[dict]:
     return parse_chat(text)[0]
 
 
-def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -> tuple[list[dict], list[dict]]:
+def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
+               as_text=lambda s: s) -> tuple[list[dict], list[dict]]:
     """Parse an OpenAI-style messages JSON array into `[{"role": str, "content": str}, ...]` and its media parts.
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
@@ -67,7 +78,8 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
     (in order) as `{"kind": "image"|"audio", "part": <the part>, "slot": <its entry in the kept parts>, "field":
     "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of parts transformers'
     multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of
-    each media part.
+    each media part. Every string the client wrote (roles, contents, text parts) goes through `as_text`
+    (`ChatTemplate.mark`, so that its control-token strings stay text).
 
     Raises:
         FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
@@ -88,6 +100,7 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise FieldError(f"{where}.role", "must be a non-empty string")
+        role = as_text(role)
         if isinstance(content, list):
             texts, parts = [], []
             for part_index, part in enumerate(content):
@@ -101,15 +114,31 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
                                      + ("" if marker is None else " or an image_url / input_audio part"))
-                texts.append(part["text"])
-                parts.append({"type": "text", "text": part["text"]})
+                texts.append(as_text(part["text"]))
+                parts.append({"type": "text", "text": texts[-1]})
             content = parts if keep_parts else "\n".join(texts)
         elif not isinstance(content, str):
             raise FieldError(f"{where}.content", "must be a string or a list of text parts")
         elif keep_parts:
-            content = [{"type": "text", "text": content}]
+            content = [{"type": "text", "text": as_text(content)}]
+        else:
+            content = as_text(content)
         messages.append({"role": role, "content": content})
     return messages, media
+
+
+def check_template_flags(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """The chat template flags against each other and the messages (vLLM's rules for its chat fields).
+
+    Raises:
+        FieldError: both flags true, or `continue_final_message` with a last message that is not an assistant's.
+    """
+    if continue_final_message and add_generation_prompt:
+        raise FieldError("continue_final_message", "cannot be true together with add_generation_prompt: continuing "
+                         "the last message asks for no new assistant turn (set add_generation_prompt to false)")
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise FieldError("continue_final_message", f"needs the last message to be the assistant's message to "
+                         f"continue, got role '{messages[-1]['role']}'")
 
 
 class MediaConfig:
@@ -158,70 +187,82 @@ class Preprocessor:
     Args:
         tokenizer: a transformers tokenizer (its chat template is used for messages).
         max_model_len: longest prompt + completion, in tokens.
+        media: the encoders and limits for image/audio parts (None: text only).
+        allow_special_tokens: a plain-text prompt's control-token strings ("<|im_end|>") become those tokens, as
+            the operator setting `completions_allow_special_tokens` asks; off (the default), they are text like the
+            rest. Chat messages are always text: only the chat template writes control tokens.
     """
 
-    def __init__(self, tokenizer, max_model_len: int, media: MediaConfig | None = None):
+    def __init__(self, tokenizer, max_model_len: int, media: MediaConfig | None = None,
+                 allow_special_tokens: bool = False):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.media = media
+        self.allow_special_tokens = allow_special_tokens
         self._marker = "<omni-media-" + secrets.token_hex(8) + ">"  # never typed by a client
+        if media is not None and media.prompt is not None:
+            self.chat = media.prompt.chat
+        else:
+            self.chat = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
 
     @classmethod
-    def from_pretrained(cls, model_path: str, max_model_len: int, media: MediaConfig | None = None) -> "Preprocessor":
+    def from_pretrained(cls, model_path: str, max_model_len: int, media: MediaConfig | None = None,
+                        allow_special_tokens: bool = False) -> "Preprocessor":
         """Load the tokenizer from a local checkpoint folder (offline; no hub lookups)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True), max_model_len, media)
+        return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True), max_model_len, media,
+                   allow_special_tokens)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Prompt token ids: chat template for a messages array (text starting with '['), else plain text.
+    def tokenize_text(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (with the tokens the tokenizer adds around a text, e.g. a BOS);
+        control-token strings in it are text unless `allow_special_tokens`.
 
         Raises:
-            FieldError: empty prompt, malformed messages, or a template that rejects the messages.
+            FieldError: empty prompt.
         """
         if not text:
             raise FieldError("text_input", "is empty")
-        if text.lstrip().startswith("["):
-            ids, media = self.tokenize_messages(text)
-            if media:
-                raise FieldError("text_input", "has image or audio parts: use run() for media parts")
-        else:
-            ids = list(self.tokenizer(text).input_ids)
+        ids = list(self.tokenizer(text, split_special_tokens=not self.allow_special_tokens).input_ids)
         if not ids:
             raise FieldError("text_input", "is empty after tokenization")
         return ids
 
-    def tokenize_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
-        """Chat-template token ids of a messages array, with each media part's placeholder run in place.
+    def tokenize_messages(self, text: str, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> tuple[list[int], dict[str, np.ndarray]]:
+        """Chat-template token ids of a messages array, with each media part's placeholder run in place; the
+        clients' strings are text (`ChatTemplate`).
+
+        Args:
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: end inside the last message (an assistant's), which the answer continues.
 
         Returns:
             (ids, media outputs): the media output tensors (module docstring) of a chat with media parts, else {}.
+
+        Raises:
+            FieldError: malformed messages, bad media, flags that contradict each other or the messages, or a
+                template that rejects the messages.
         """
-        if self.media is not None and self.media.prompt is not None:
-            return self._processor_messages(text)
-        marker = self._marker if self.media is not None else None
-        messages, media = parse_chat(text, marker)
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.chat is None:
             raise FieldError("text_input", "is a messages array, but this model's tokenizer has no chat template: "
                              "send text_input as plain text")
+        if self.media is not None and self.media.prompt is not None:
+            return self._processor_messages(text, add_generation_prompt, continue_final_message)
+        marker = self._marker if self.media is not None else None
+        messages, media = parse_chat(text, marker, as_text=self.chat.mark)
+        check_template_flags(messages, add_generation_prompt, continue_final_message)
         if media:
             self._decode_media(media)
-        try:
-            if not media:
-                encoded = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-                return list(encoded["input_ids"]), {}
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
-            raise FieldError("text_input", f"messages were rejected by the chat template: {exc}") from None
+        rendered = self.chat.render(messages, add_generation_prompt, continue_final_message)
         pieces = rendered.split(self._marker)
         if len(pieces) != len(media) + 1:
             raise FieldError("text_input", "messages: the chat template dropped or repeated a media part")
         ids = []
         for index, piece in enumerate(pieces):
-            ids.extend(self.tokenizer(piece, add_special_tokens=False).input_ids if piece else [])
+            ids.extend(self.chat.encode(piece) if piece else [])
             if index < len(media):
                 item = media[index]
                 spec = self.media.specs[item["kind"]]
@@ -230,12 +271,15 @@ class Preprocessor:
                 ids.extend([token_id] * item["tokens"])
         return ids, media_outputs(media, self.media.specs) if media else {}
 
-    def _processor_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
+    def _processor_messages(self, text: str, add_generation_prompt: bool,
+                            continue_final_message: bool) -> tuple[list[int], dict[str, np.ndarray]]:
         """`tokenize_messages` through a multimodal checkpoint's own processor (`hf_prompt.ProcessorPrompt`).
         Parts of a kind the checkpoint does not read go to a project encoder (`MediaConfig.specs`), written into
-        the messages as runs of its placeholder token."""
+        the messages as runs of its placeholder token (after the client's text was marked: these are control
+        tokens)."""
         prompt, limits = self.media.prompt, self.media.limits
-        messages, media = parse_chat(text, self._marker, keep_parts=True)
+        messages, media = parse_chat(text, self._marker, keep_parts=True, as_text=self.chat.mark)
+        check_template_flags(messages, add_generation_prompt, continue_final_message)
         if len(media) > limits.max_media_parts:
             raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
                              f"the limit is {limits.max_media_parts} per request)")
@@ -254,7 +298,9 @@ class Preprocessor:
             except ValueError as exc:  # media.py's messages start with the label it was given
                 raise FieldError(item["field"], str(exc).removeprefix(item["field"] + " ")) from None
         try:
-            ids, parts, positions, items = prompt.render(messages, own)
+            ids, parts, positions, items = prompt.render(messages, own, add_generation_prompt, continue_final_message)
+        except FieldError:
+            raise
         except ValueError as exc:
             raise FieldError("text_input", str(exc)) from None
         if not media:
@@ -428,17 +474,23 @@ class Preprocessor:
         if text is None:
             raise FieldError("text_input", "is required")
         settings = self.settings(arrays)
+        flags = {name: one_value(arrays, name, bool, default) for name, default in TEMPLATE_FLAGS.items()}
         media = {}
+        is_messages = arrays.get("prompt_token_ids") is None and text.lstrip().startswith("[")
+        if not is_messages:
+            for name, default in TEMPLATE_FLAGS.items():
+                if flags[name] != default:
+                    raise FieldError(name, "applies to a messages array only (the prompt is text or token ids)")
         if arrays.get("prompt_token_ids") is not None:
             ids = self.check_token_ids(arrays["prompt_token_ids"])
             prompt_text = self.tokenizer.decode(ids)
-        elif text and text.lstrip().startswith("["):
-            ids, media = self.tokenize_messages(text)
+        elif is_messages:
+            ids, media = self.tokenize_messages(text, **flags)
             if not ids:
                 raise FieldError("text_input", "is empty after tokenization")
             prompt_text = self.tokenizer.decode(ids)
         else:
-            ids = self.tokenize(text)
+            ids = self.tokenize_text(text)
             prompt_text = text
         params = self.sampling_params(settings, len(ids))
         outputs = {

@@ -14,7 +14,8 @@ class TritonPythonModel:
         parameters = json.loads(args["model_config"]).get("parameters", {})
         setting = {key: value["string_value"] for key, value in parameters.items()}
         self.stage = Preprocessor.from_pretrained(setting["llm_model_path"], int(setting["max_model_len"]),
-                                                  MediaConfig.from_parameters(setting))
+                                                  MediaConfig.from_parameters(setting),
+                                                  setting["completions_allow_special_tokens"] == "true")
         self.heartbeat = StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):

@@ -10,7 +10,7 @@ merged in arrival order. Shaping the answer is serving/responses.py's.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from omni_backend.serving import errors
@@ -19,10 +19,13 @@ from omni_backend.serving.pipeline import Prepared, Step, TritonPipeline
 
 @dataclass
 class Prompt:
-    """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids."""
+    """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids, and the chat
+    template flags that differ from their defaults (`add_generation_prompt`, `continue_final_message`: preprocess's
+    BOOL inputs of those names)."""
 
     text: str = ""
     token_ids: list[int] | None = None
+    template: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Generation:
         """
         request = self.request
         jobs = [self.pipeline.prepare(prompt.text, prompt.token_ids, request.choice_settings(i), request.prompt_field,
-                                      f"{self.request_id}-{p * request.n + i}")
+                                      f"{self.request_id}-{p * request.n + i}", prompt.template)
                 for p, prompt in enumerate(request.prompts) for i in range(request.n)]
         prepared = await asyncio.gather(*jobs, return_exceptions=True)
         for item in prepared:

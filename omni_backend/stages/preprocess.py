@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from typing import Callable
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def parse_messages(text: str) -> list[dict]:
 
 
 def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
-               as_text=lambda s: s) -> tuple[list[dict], list[dict]]:
+               as_text: Callable[[str], str] = str) -> tuple[list[dict], list[dict]]:
     """Parse an OpenAI-style messages JSON array into `[{"role": str, "content": str}, ...]` and its media parts.
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when

@@ -7,7 +7,7 @@ folder that tritonserver loads with `--model-repository`.
 
 Every setting is declared once, where it is used (omni_backend/settings.py): the engine's in
 `engine.config.EngineConfig`, the llm stage's in `stages.llm.parameters` (with the governor's, `governor_<field>`),
-the encoders' in `stages.media_encoder.EncoderSettings` (`encoder_<field>`) and the diffusion stage's in
+preprocess's in `stages.preprocess.PreprocessSettings`, the encoders' in `stages.media_encoder.EncoderSettings` (`encoder_<field>`) and the diffusion stage's in
 `stages.diffusion.DiffusionSettings` (`diffusion_<field>`). `Settings` is made from those declarations
 (`SETTING_GROUPS`), the llm model's whole `parameters` block is rendered from them (`${llm_parameters}`), and the
 table in docs/operations.md is `settings_table()` (`python -m omni_backend.repository --table` prints it).
@@ -33,13 +33,15 @@ from omni_backend.settings import Spec, declared, operator_name, parse_text, to_
 from omni_backend.stages.diffusion import DiffusionSettings
 from omni_backend.stages.llm.parameters import SETTING_GROUPS as LLM_SETTING_GROUPS
 from omni_backend.stages.media_encoder import EncoderSettings
+from omni_backend.stages.preprocess import PreprocessSettings
 
 
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (
-    *LLM_SETTING_GROUPS, (EncoderSettings, EncoderSettings.PREFIX), (DiffusionSettings, DiffusionSettings.PREFIX))
+    *LLM_SETTING_GROUPS, (PreprocessSettings, ""), (EncoderSettings, EncoderSettings.PREFIX),
+    (DiffusionSettings, DiffusionSettings.PREFIX))
 """Every operator setting the repository renders: (declaring class, name prefix)."""
 
 

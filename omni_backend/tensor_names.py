@@ -10,6 +10,8 @@ module spells one out). The sampling settings' tensors (`max_tokens`, `random_se
 # The prompt: inputs of the chat ensembles (omni_chat, omni_chat_mm, omni_speech) and of preprocess.
 TEXT_INPUT = "text_input"  # BYTES [1]: a plain prompt, or a JSON array of chat messages
 PROMPT_TOKEN_IDS = "prompt_token_ids"  # INT32 [n]: a prompt given as token ids
+ADD_GENERATION_PROMPT = "add_generation_prompt"  # BOOL [1]: the chat template opens the assistant's turn
+CONTINUE_FINAL_MESSAGE = "continue_final_message"  # BOOL [1]: the prompt ends inside the last assistant message
 
 # preprocess -> llm
 INPUT_IDS = "input_ids"  # INT32 [n]

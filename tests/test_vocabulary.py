@@ -62,7 +62,8 @@ def test_the_model_configs_declare_the_vocabulary(model):
             assert inputs[field.tensor] == (field.datatype, optional), (model, field)
     assert inputs["text_input"] == (PROMPT_TENSORS["text_input"], False)
     known = {f.tensor for f in SAMPLING_FIELDS} | set(PROMPT_TENSORS)
-    extra = {"omni_speech": {"voice", "audio_format", "speed"}}.get(model, set())
+    extra = {"omni_speech": {"voice", "audio_format", "speed"},
+             "preprocess": {"add_generation_prompt", "continue_final_message"}}.get(model, set())
     assert set(inputs) - known == extra
 
 

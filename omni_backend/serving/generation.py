@@ -21,10 +21,13 @@ from omni_backend.stages.tts_options import SpeechOptions
 
 @dataclass
 class Prompt:
-    """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids."""
+    """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids, and the chat
+    template flags that differ from their defaults (`add_generation_prompt`, `continue_final_message`: preprocess's
+    BOOL inputs of those names)."""
 
     text: str = ""
     token_ids: list[int] | None = None
+    template: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Generation:
         """
         request = self.request
         jobs = [self.pipeline.prepare(prompt.text, prompt.token_ids, request.choice_settings(i), request.prompt_field,
-                                      f"{self.request_id}-{p * request.n + i}")
+                                      f"{self.request_id}-{p * request.n + i}", prompt.template)
                 for p, prompt in enumerate(request.prompts) for i in range(request.n)]
         prepared = await asyncio.gather(*jobs, return_exceptions=True)
         for item in prepared:

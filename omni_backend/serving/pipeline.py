@@ -252,7 +252,7 @@ class TritonPipeline(TritonGrpcUser):
                             input_types, max_model_len)
 
     async def prepare(self, text: str, token_ids: list[int] | None, settings: dict, prompt_field: str,
-                      request_id: str = "") -> Prepared:
+                      request_id: str = "", template: dict[str, bool] | None = None) -> Prepared:
         """Run preprocess on one prompt.
 
         Args:
@@ -261,6 +261,8 @@ class TritonPipeline(TritonGrpcUser):
             settings: SamplingParams attribute -> value (`omni_backend.vocabulary` names), the settings given;
                 without max_tokens preprocess takes the rest of the context.
             prompt_field: the request field holding the prompt ("messages" or "prompt"), for error messages.
+            template: chat template flags given (preprocess's BOOL inputs `add_generation_prompt`,
+                `continue_final_message`; the request fields of the same names).
 
         Raises:
             OpenAIError: 400 for bad input (the field named as the client knows it), 503 when Triton is
@@ -273,6 +275,7 @@ class TritonPipeline(TritonGrpcUser):
                 raise invalid("this model does not take prompts as token ids", prompt_field)
             values.append(("prompt_token_ids", token_ids, prompt_field))
         values += [(BY_PARAM[param].tensor, value, BY_PARAM[param].openai[0]) for param, value in settings.items()]
+        values += [(name, value, name) for name, value in (template or {}).items()]
         by_ensemble_name = {tensor: name for name, tensor in info.preprocess.inputs.items()}
         inputs = []
         for name, value, field_name in values:

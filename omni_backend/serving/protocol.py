@@ -10,9 +10,14 @@ with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (`s
 Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
 read as true or 16. `null` means the default for every field the OpenAI API reference marks nullable (all the
 optional settings here, plus `user`); `model`, `messages`, `prompt` and the extension `ignore_eos` must not be
-null. Fields we do not serve yet (tools, response_format other than text, logit_bias, suffix, best_of other than
-n) are rejected with a 400 naming them rather than silently ignored; unknown fields are ignored. A validation
-error becomes a 400 that names the field (`schema_error`).
+null. A validation error becomes a 400 that names the field (`schema_error`).
+
+No field is silently dropped when it would change the answer. Every top-level field is one of: modelled here and
+served (some only in part: tools, response_format other than text, logit_bias, suffix and best_of other than n are
+refused when set); describing the client or the request's bookkeeping (`DESCRIPTIVE_FIELDS`: accepted, no effect
+on the answer); a known OpenAI or vLLM field this server does not serve (`NOT_SERVED`: accepted only with the
+value that asks for what the server does anyway, else a 400 naming it); or unknown (a 400 naming it, as OpenAI
+answers "Unrecognized request argument supplied").
 """
 
 from __future__ import annotations
@@ -54,11 +59,64 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+DESCRIPTIVE_FIELDS = frozenset({
+    "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",  # OpenAI: about the client
+    "prediction",  # OpenAI predicted outputs: a latency hint, the answer is the same
+    "parallel_tool_calls",  # only acts with tools, which are refused
+    "request_id",  # vLLM: the caller's id for its own logs
+})
+"""Request fields that describe the client or its bookkeeping, not the answer: accepted, not acted on."""
+
+_ANY: tuple = ()  # NOT_SERVED: no value is what this server does
+NOT_SERVED: dict[str, tuple] = {
+    # OpenAI
+    "reasoning_effort": _ANY, "verbosity": _ANY, "web_search_options": _ANY, "function_call": ("none", "auto"),
+    # vLLM's sampling extensions
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "min_tokens": (0,), "stop_token_ids": ([],),
+    "bad_words": ([],), "allowed_token_ids": _ANY, "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": _ANY,
+    "prompt_logprobs": _ANY, "logits_processors": _ANY, "priority": (0,), "cache_salt": _ANY,
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "kv_transfer_params": _ANY,
+    "vllm_xargs": _ANY, "prompt_embeds": _ANY,
+    # vLLM's structured outputs
+    "guided_json": _ANY, "guided_regex": _ANY, "guided_choice": _ANY, "guided_grammar": _ANY,
+    "guided_decoding_backend": _ANY, "guided_whitespace_pattern": _ANY, "structured_outputs": _ANY,
+    # vLLM's chat extensions (the template is the checkpoint's; add_special_tokens: chat prompts get none)
+    "echo": (False,), "add_special_tokens": (False,), "chat_template": _ANY, "chat_template_kwargs": ({},),
+    "documents": _ANY, "mm_processor_kwargs": _ANY, "best_of": (1,),
+}
+"""Known OpenAI and vLLM request fields whose effect this server does not implement -> the values that ask for what
+it does anyway (accepted); any other value is a 400 naming the field. Fields a request model declares are its own
+(completions' `echo` and `best_of` are served)."""
+
+
 class _Request(BaseModel):
     """What chat and completions share."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     NOT_NULLABLE: ClassVar[frozenset[str]] = frozenset({"model", "ignore_eos"})
+    NOT_SERVED: ClassVar[dict[str, tuple]] = NOT_SERVED
+
+    @classmethod
+    def check_fields(cls, body: dict) -> None:
+        """Refuse the fields this endpoint would otherwise drop while they change the answer (module docstring);
+        `null` is every field's default.
+
+        Raises:
+            OpenAIError: 400 naming the first such field.
+        """
+        for name, value in body.items():
+            if name in cls.model_fields or name in DESCRIPTIVE_FIELDS:
+                continue
+            if name not in cls.NOT_SERVED:
+                raise invalid(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+            allowed = cls.NOT_SERVED[name]
+            if value is None or any(type(value) is type(a) and value == a for a in allowed):
+                continue
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise invalid(f"{name} is not supported by this server" + (f" (only {shown}, what it does anyway)"
+                                                                       if allowed else ""), name,
+                          "unsupported_parameter")
 
     model: str
     frequency_penalty: float | None = setting("frequency_penalty")
@@ -117,11 +175,17 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One chat message. `content` is required (not null) except on an assistant message that carries `tool_calls`
+    (or the older `function_call`), which are refused anyway: tools are not served. `name` is accepted and not shown
+    to the model (the chat template decides what it renders; SmolLM2's renders role and content)."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
 
 class AudioOutput(BaseModel):
@@ -145,6 +209,8 @@ class ChatCompletionRequest(_Request):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: AudioOutput | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"messages"}
 
@@ -154,7 +220,8 @@ class ChatCompletionRequest(_Request):
         return self.audio is not None or "audio" in (self.modalities or [])
 
     def check(self) -> None:
-        """Raises OpenAIError (400 naming the field) for what the schema alone does not catch."""
+        """Raises OpenAIError (400 naming the field) for what the schema alone does not catch. The chat template
+        flags are checked by preprocess, which knows the messages' roles as the template sees them."""
         if self.spoken:
             modalities = self.modalities or ["text", "audio"]
             if set(modalities) - {"text", "audio"} or "audio" not in modalities:
@@ -166,6 +233,15 @@ class ChatCompletionRequest(_Request):
         self.check_common()
         if not self.messages:
             raise invalid("messages must be a non-empty list", "messages")
+        for i, message in enumerate(self.messages):
+            calls = message.tool_calls or message.function_call
+            if message.content is None and not (message.role == "assistant" and calls):
+                raise invalid(f"messages[{i}].content is required: a string or a list of content parts (only an "
+                              "assistant message with tool_calls may leave it out)", f"messages[{i}].content")
+            if calls:
+                field = "tool_calls" if message.tool_calls else "function_call"
+                raise invalid(f"messages[{i}].{field}: tool calls are not supported by this server",
+                              f"messages[{i}].{field}")
         if self.tools or self.functions:
             raise invalid("tools are not supported by this server", "tools" if self.tools else "functions")
         if self.tool_choice not in (None, "none", "auto"):
@@ -202,10 +278,13 @@ class ChatCompletionRequest(_Request):
             settings["max_tokens"] = limit
         if self.logprobs:
             settings["logprobs"] = self.top_logprobs or 0
+        template = {name: value for name, value, default in (
+            ("add_generation_prompt", self.add_generation_prompt, True),
+            ("continue_final_message", self.continue_final_message, False)) if value != default}
         return GenerationRequest(
             kind="chat", model=self.model, prompt_field="messages",
-            prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False))], settings=settings,
-            n=self.n, include_usage=self.include_usage, speech=self.speech_options())
+            prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False), template=template)],
+            settings=settings, n=self.n, include_usage=self.include_usage, speech=self.speech_options())
 
     def messages_json(self) -> list[dict]:
         """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
@@ -217,9 +296,7 @@ class ChatCompletionRequest(_Request):
         out = []
         for i, message in enumerate(self.messages):
             content = message.content
-            if content is None:
-                content = ""
-            elif isinstance(content, list):
+            if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
                     kind = part.get("type")
@@ -250,6 +327,8 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
     NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"prompt"}
+    # a text prompt gets the tokens the tokenizer adds around a text (vLLM's completions default)
+    NOT_SERVED: ClassVar[dict[str, tuple]] = NOT_SERVED | {"add_special_tokens": (True,)}
 
     def check(self) -> None:
         self.check_common()
@@ -356,12 +435,14 @@ def schema_error(exc: ValidationError) -> OpenAIError:
     return invalid(f"Invalid value for '{param}': {error['msg'].rstrip('.')} (got {shown})", param)
 
 
-def parse_request(model: type[BaseModel], body: dict):
+def parse_request(model: type[_Request], body: dict):
     """Validate a JSON object against a request model.
 
     Raises:
-        OpenAIError: 400 naming the first invalid field, or the endpoint's own cross-field checks.
+        OpenAIError: 400 naming the first field that is not served (`check_fields`) or invalid, or the endpoint's
+            own cross-field checks.
     """
+    model.check_fields(body)
     try:
         request = model.model_validate(body)
     except ValidationError as exc:

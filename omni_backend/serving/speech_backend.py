@@ -8,6 +8,7 @@ from typing import AsyncIterator
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from omni_backend import tensor_names as T
 from omni_backend.serving import errors
 from omni_backend.serving.pipeline import TritonGrpcUser
 from omni_backend.stages.tts_options import SpeechOptions
@@ -49,7 +50,7 @@ class SpeechBackend(TritonGrpcUser):
             OpenAIError: 400 for the stage's INVALID_ARGUMENT (naming `field` for the text), 503/500 otherwise.
         """
         tensors = []
-        for name, value in (("text", text), ("options", options.to_json())):
+        for name, value in ((T.TEXT, text), (T.OPTIONS, options.to_json())):
             tensor = grpcclient.InferInput(name, [1], "BYTES")
             tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
             tensors.append(tensor)
@@ -64,10 +65,10 @@ class SpeechBackend(TritonGrpcUser):
                 if error is not None:
                     finished = True
                     raise errors.from_triton(error.message(), None, None,
-                                             lambda name: field if name == "text" else _OPTION_FIELDS.get(name, name))
-                audio = Audio(result.as_numpy("audio").reshape(-1).astype(np.int16),
-                              int(result.as_numpy("sample_rate").reshape(-1)[0]))
-                finished = bool(result.as_numpy("finish_reason").reshape(-1)[0])
+                                             lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name))
+                audio = Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
+                              int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
+                finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
                 yield audio
                 if finished:
                     return

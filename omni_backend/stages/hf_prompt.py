@@ -3,8 +3,9 @@
 The processor (`AutoProcessor` of the folder: tokenizer, chat template, image processor or feature extractor)
 renders the chat messages, expands each image or audio placeholder into the model's run of tokens (SmolVLM's
 image splitting with `<fake_token_around_image>`, `<row_r_col_c>` and `<global-img>` rows, LLaVA's patch
-count, Qwen2-Audio's frame count) and turns the media into encoder items. This module then splits those items
-and placeholder positions by media part for the encoder stages (`media_encoder.encoder_calls`):
+count, Qwen2-Audio's frame count) and turns the media into encoder items. The client's text stays text
+(`chat_template.ChatTemplate`): a typed "<image>" is neither a token nor an image slot. This module then splits
+those items and placeholder positions by media part for the encoder stages (`media_encoder.encoder_calls`):
 
     Idefics3 / SmolVLM  an image -> its crops, each one item of `image_seq_len` placeholders (the global
                         image last, behind `<global-img>`)
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from omni_backend import checkpoints
+from omni_backend.stages.chat_template import ChatTemplate
 
 
 class ProcessorPrompt:
@@ -31,6 +33,8 @@ class ProcessorPrompt:
     Attributes:
         kind: the media the model reads ("image" or "audio").
         sampling_rate: the audio rate its feature extractor expects, Hz (audio models only).
+        chat: its `ChatTemplate` (the processor's template, the processor's tokenizer); the client's strings in the
+            messages given to `render` must have gone through `chat.mark`.
     """
 
     def __init__(self, folder: str | Path, architecture: checkpoints.MultimodalArchitecture):
@@ -42,15 +46,22 @@ class ProcessorPrompt:
         self.token_id = int(checkpoints.read_config(folder)[architecture.token_key])
         extractor = getattr(self.processor, "feature_extractor", None)
         self.sampling_rate = int(getattr(extractor, "sampling_rate", 16_000))
+        self.chat = ChatTemplate(self.processor.tokenizer, self.processor)
+        self._media_token = self.processor.image_token if self.kind == "image" else self.processor.audio_token
+        self._added = _added_around(self.processor.tokenizer)
 
-    def render(self, messages: list[dict], media: list) -> tuple[list[int], list[dict], np.ndarray,
-                                                                  dict[str, np.ndarray]]:
-        """Token ids and media outputs of a chat.
+    def render(self, messages: list[dict], media: list, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> tuple[list[int], list[dict], np.ndarray,
+                                                              dict[str, np.ndarray]]:
+        """Token ids and media outputs of a chat: the ids the processor gives for the rendered chat, except that
+        the client's marked strings are text.
 
         Args:
-            messages: `[{"role": str, "content": [{"type": "text", "text": str} | {"type": "image"|"audio"}]}]`.
+            messages: `[{"role": str, "content": [{"type": "text", "text": str} | {"type": "image"|"audio"}]}]`,
+                the client's strings marked (`chat.mark`).
             media: the decoded media of the chat's media parts in order: RGB `PIL.Image`s or float32 samples
                 at `sampling_rate`.
+            add_generation_prompt, continue_final_message: as `ChatTemplate.render` takes them.
 
         Returns:
             (ids, parts, positions, items): one `{"kind", "tokens", "items"[, "frames"]}` per media part, the
@@ -59,20 +70,30 @@ class ProcessorPrompt:
             items for a chat without media.
 
         Raises:
-            ValueError: the template rejected the messages, or the processor's expansion disagrees with its
-                items (a processor this module does not know).
+            FieldError: the template rejected the messages (`ChatTemplate.render`).
+            ValueError: the processor's expansion disagrees with its items (a processor this module does not know),
+                or the template wrote another number of media placeholders than there are media parts.
         """
-        try:
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
-            raise ValueError(f"messages were rejected by the chat template: {exc}") from None
-        kwargs = {}
-        if media and self.kind == "image":
-            kwargs["images"] = [media] if self.architecture.name != "LlavaForConditionalGeneration" else media
-        elif media:
-            kwargs.update(audio=media, sampling_rate=self.sampling_rate)
-        encoded = self.processor(text=text, return_tensors="np", **kwargs)
-        ids = [int(i) for i in encoded["input_ids"][0]]
+        text = self.chat.render(messages, add_generation_prompt, continue_final_message)
+        encoded = {}
+        if media:
+            # The processor expands its placeholder in a text of placeholders only, so that the client's text
+            # never passes through it; each expansion then replaces the template's placeholder (a marked one, typed
+            # by the client, is skipped) and the whole chat is tokenized with marked text kept as text.
+            kwargs = {"audio": media, "sampling_rate": self.sampling_rate}
+            if self.kind == "image":
+                kwargs = {"images": [media] if self.architecture.name != "LlavaForConditionalGeneration" else media}
+            encoded = self.processor(text=self._media_token * len(media), return_tensors="np",
+                                     return_text_replacement_offsets=True, **kwargs)
+            expansions = [entry["replacement"] for entry in encoded["text_replacement_offsets"][0]]
+            try:
+                text = self.processor.get_text_with_replacements(
+                    [text], **{"images_replacements" if self.kind == "image" else "audio_replacements": expansions}
+                )[0][0]
+            except StopIteration:  # more placeholders in the text than expansions
+                raise ValueError("the chat template wrote more media placeholders than there are media parts") from None
+        before, after = self._added
+        ids = before + self.chat.encode(text) + after
         positions = np.flatnonzero(np.asarray(ids) == self.token_id).astype(np.int32)
         if not media:
             return ids, [], positions, {}
@@ -119,3 +140,13 @@ class ProcessorPrompt:
                              f"{sum(p['items'] for p in parts)} crops) does not match its {num_images} images "
                              f"and {num_items} crops")
         return parts
+
+
+def _added_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer adds before and after one text (e.g. Llama's BOS), which a processor's own call adds."""
+    bare = tokenizer("a", add_special_tokens=False).input_ids
+    full = tokenizer("a").input_ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return full[:start], full[start + len(bare):]
+    raise ValueError("the tokenizer's added tokens around a text could not be told apart from the text")

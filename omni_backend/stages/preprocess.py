@@ -2,12 +2,20 @@
 
 Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_token_ids` [-1]):
 
-    text_input          STRING  plain text prompt, tokenized as it is (the tokenizer's own special-token
-                                rules), or an OpenAI-style messages JSON array (see `parse_messages`) to
-                                which the tokenizer's chat template is applied with a generation prompt
+    text_input          STRING  plain text prompt, tokenized as text (control-token strings such as
+                                "<|im_end|>" are their text pieces, unless the operator setting
+                                `completions_allow_special_tokens` lets them be tokens), or an OpenAI-style
+                                messages JSON array (see `parse_chat`) to which the chat template is applied;
+                                the messages' strings are always text: only the template writes control
+                                tokens (`chat_template.ChatTemplate`)
     prompt_token_ids    INT32   a prompt given as token ids (the OpenAI front door's completions with
                                 token-id prompts); when present it is used as it is and `text_input`
                                 is ignored (send "")
+    add_generation_prompt BOOL  (messages only; default true) end the prompt with the template's opening of an
+                                assistant turn
+    continue_final_message BOOL (messages only; default false) end the prompt inside the last message, which
+                                must be the assistant's, so that the answer continues it; true together with
+                                add_generation_prompt is refused
     the settings of `omni_backend.vocabulary.SAMPLING_FIELDS` (max_tokens, stream, temperature, top_p, top_k,
     min_p, random_seed, stop_words, penalties, ignore_eos, logprobs), all optional; ranges are SamplingParams'.
     An absent `max_tokens` means the rest of the context (max_model_len - prompt tokens).
@@ -39,20 +47,26 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from omni_backend import settings
+from omni_backend import tensor_names as T
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
-from omni_backend.settings import parse_field
+from omni_backend.settings import parse_field, setting
+from omni_backend.stages.chat_template import ChatTemplate
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
 
-INPUT_NAMES = ("text_input", *(f.tensor for f in SAMPLING_FIELDS), "prompt_token_ids")
-OUTPUT_NAMES = ("input_ids", "sampling_params", "prompt_text")
-MEDIA_OUTPUT_NAMES = ("pixel_values", "input_features", "media_parts", "media_positions")
+TEMPLATE_FLAGS = {T.ADD_GENERATION_PROMPT: True, T.CONTINUE_FINAL_MESSAGE: False}  # BOOL inputs -> their defaults
+INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, *TEMPLATE_FLAGS)
+OUTPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.PROMPT_TEXT)
+MEDIA_OUTPUT_NAMES = (T.PIXEL_VALUES, T.INPUT_FEATURES, T.MEDIA_PARTS, T.MEDIA_POSITIONS)
 MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio"}
-ENCODER_INPUTS = {"image": "pixel_values", "audio": "input_features"}  # the media output holding each kind's items
+ENCODER_INPUTS = {"image": T.PIXEL_VALUES, "audio": T.INPUT_FEATURES}  # the media output holding each kind's items
 _PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
 
 
@@ -62,7 +76,8 @@ def parse_messages(text: str) -> list[dict]:
     return parse_chat(text)[0]
 
 
-def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -> tuple[list[dict], list[dict]]:
+def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
+               as_text: Callable[[str], str] = str) -> tuple[list[dict], list[dict]]:
     """Parse an OpenAI-style messages JSON array into `[{"role": str, "content": str}, ...]` and its media parts.
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
@@ -70,7 +85,8 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
     (in order) as `{"kind": "image"|"audio", "part": <the part>, "slot": <its entry in the kept parts>, "field":
     "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of parts transformers'
     multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of
-    each media part.
+    each media part. Every string the client wrote (roles, contents, text parts) goes through `as_text`
+    (`ChatTemplate.mark`, so that its control-token strings stay text).
 
     Raises:
         FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
@@ -79,10 +95,10 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise FieldError("text_input", f"starts with '[' but is not a valid messages JSON array: {exc.msg} "
+        raise FieldError(T.TEXT_INPUT, f"starts with '[' but is not a valid messages JSON array: {exc.msg} "
                          f"(line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(value, list) or not value:
-        raise FieldError("text_input", "messages must be a non-empty JSON array of {role, content} objects")
+        raise FieldError(T.TEXT_INPUT, "messages must be a non-empty JSON array of {role, content} objects")
     messages, media = [], []
     for index, message in enumerate(value):
         where = f"text_input[{index}]"
@@ -91,6 +107,7 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise FieldError(f"{where}.role", "must be a non-empty string")
+        role = as_text(role)
         if isinstance(content, list):
             texts, parts = [], []
             for part_index, part in enumerate(content):
@@ -104,15 +121,44 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False) -
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
                                      + ("" if marker is None else " or an image_url / input_audio part"))
-                texts.append(part["text"])
-                parts.append({"type": "text", "text": part["text"]})
+                texts.append(as_text(part["text"]))
+                parts.append({"type": "text", "text": texts[-1]})
             content = parts if keep_parts else "\n".join(texts)
         elif not isinstance(content, str):
             raise FieldError(f"{where}.content", "must be a string or a list of text parts")
         elif keep_parts:
-            content = [{"type": "text", "text": content}]
+            content = [{"type": "text", "text": as_text(content)}]
+        else:
+            content = as_text(content)
         messages.append({"role": role, "content": content})
     return messages, media
+
+
+def check_template_flags(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """The chat template flags against each other and the messages (vLLM's rules for its chat fields).
+
+    Raises:
+        FieldError: both flags true, or `continue_final_message` with a last message that is not an assistant's.
+    """
+    if continue_final_message and add_generation_prompt:
+        raise FieldError(T.CONTINUE_FINAL_MESSAGE, "cannot be true together with add_generation_prompt: continuing "
+                         "the last message asks for no new assistant turn (set add_generation_prompt to false)")
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise FieldError(T.CONTINUE_FINAL_MESSAGE, f"needs the last message to be the assistant's message to "
+                         f"continue, got role '{messages[-1]['role']}'")
+
+
+@dataclass
+class PreprocessSettings:
+    """Settings of the preprocess stage (rendered into its config by omni_backend/repository.py)."""
+
+    completions_allow_special_tokens: bool = setting(
+        False, "true: control-token strings (<|im_end|>, ...) in a plain-text prompt (completions' prompt, a "
+        "text_input that is no messages array) become those tokens; false: they are text. Chat messages are always "
+        "text (docs/api.md)")
+
+    def __post_init__(self) -> None:
+        settings.check(self)
 
 
 class MediaConfig:
@@ -163,27 +209,40 @@ class Preprocessor:
     Args:
         tokenizer: a transformers tokenizer (its chat template is used for messages).
         max_model_len: longest prompt + completion, in tokens.
+        media: the encoders and limits for image/audio parts (None: text only).
+        allow_special_tokens: a plain-text prompt's control-token strings ("<|im_end|>") become those tokens, as
+            the operator setting `completions_allow_special_tokens` asks; off (the default), they are text like the
+            rest. Chat messages are always text: only the chat template writes control tokens.
     """
 
-    def __init__(self, tokenizer, max_model_len: int, media: MediaConfig | None = None):
+    def __init__(self, tokenizer, max_model_len: int, media: MediaConfig | None = None,
+                 allow_special_tokens: bool = False):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.media = media
+        self.allow_special_tokens = allow_special_tokens
         self._marker = "<omni-media-" + secrets.token_hex(8) + ">"  # never typed by a client
+        if media is not None and media.prompt is not None:
+            self.chat = media.prompt.chat
+        else:
+            self.chat = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
 
     @classmethod
-    def from_pretrained(cls, model_path: str, max_model_len: int, media: MediaConfig | None = None) -> "Preprocessor":
+    def from_pretrained(cls, model_path: str, max_model_len: int, media: MediaConfig | None = None,
+                        allow_special_tokens: bool = False) -> "Preprocessor":
         """Load the tokenizer from a local checkpoint folder (offline; no hub lookups)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True), max_model_len, media)
+        return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True), max_model_len, media,
+                   allow_special_tokens)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "Preprocessor":
         """From the preprocess model's string parameters: the engine's `llm_model_path` and `max_model_len`
-        (declared in engine/config.py) and the media settings (`MediaConfig.from_parameters`).
+        (declared in engine/config.py), `PreprocessSettings`' and the media settings
+        (`MediaConfig.from_parameters`).
 
         Raises:
             ValueError: a malformed setting or an unsupported checkpoint.
@@ -192,55 +251,57 @@ class Preprocessor:
 
         model_path = parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"), "llm_model_path")
         max_model_len = parse_field(EngineConfig, "max_model_len", parameters.get("max_model_len"))
-        return cls.from_pretrained(model_path, max_model_len, MediaConfig.from_parameters(parameters))
+        own = settings.from_strings(PreprocessSettings, parameters)
+        return cls.from_pretrained(model_path, max_model_len, MediaConfig.from_parameters(parameters),
+                                   own.completions_allow_special_tokens)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Prompt token ids: chat template for a messages array (text starting with '['), else plain text.
+    def tokenize_text(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (with the tokens the tokenizer adds around a text, e.g. a BOS);
+        control-token strings in it are text unless `allow_special_tokens`.
 
         Raises:
-            FieldError: empty prompt, malformed messages, or a template that rejects the messages.
+            FieldError: empty prompt.
         """
         if not text:
-            raise FieldError("text_input", "is empty")
-        if text.lstrip().startswith("["):
-            ids, media = self.tokenize_messages(text)
-            if media:
-                raise FieldError("text_input", "has image or audio parts: use run() for media parts")
-        else:
-            ids = list(self.tokenizer(text).input_ids)
+            raise FieldError(T.TEXT_INPUT, "is empty")
+        ids = list(self.tokenizer(text, split_special_tokens=not self.allow_special_tokens).input_ids)
         if not ids:
-            raise FieldError("text_input", "is empty after tokenization")
+            raise FieldError(T.TEXT_INPUT, "is empty after tokenization")
         return ids
 
-    def tokenize_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
-        """Chat-template token ids of a messages array, with each media part's placeholder run in place.
+    def tokenize_messages(self, text: str, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> tuple[list[int], dict[str, np.ndarray]]:
+        """Chat-template token ids of a messages array, with each media part's placeholder run in place; the
+        clients' strings are text (`ChatTemplate`).
+
+        Args:
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: end inside the last message (an assistant's), which the answer continues.
 
         Returns:
             (ids, media outputs): the media output tensors (module docstring) of a chat with media parts, else {}.
+
+        Raises:
+            FieldError: malformed messages, bad media, flags that contradict each other or the messages, or a
+                template that rejects the messages.
         """
-        if self.media is not None and self.media.prompt is not None:
-            return self._processor_messages(text)
-        marker = self._marker if self.media is not None else None
-        messages, media = parse_chat(text, marker)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise FieldError("text_input", "is a messages array, but this model's tokenizer has no chat template: "
+        if self.chat is None:
+            raise FieldError(T.TEXT_INPUT, "is a messages array, but this model's tokenizer has no chat template: "
                              "send text_input as plain text")
+        if self.media is not None and self.media.prompt is not None:
+            return self._processor_messages(text, add_generation_prompt, continue_final_message)
+        marker = self._marker if self.media is not None else None
+        messages, media = parse_chat(text, marker, as_text=self.chat.mark)
+        check_template_flags(messages, add_generation_prompt, continue_final_message)
         if media:
             self._decode_media(media)
-        try:
-            if not media:
-                encoded = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-                return list(encoded["input_ids"]), {}
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
-            raise FieldError("text_input", f"messages were rejected by the chat template: {exc}") from None
+        rendered = self.chat.render(messages, add_generation_prompt, continue_final_message)
         pieces = rendered.split(self._marker)
         if len(pieces) != len(media) + 1:
-            raise FieldError("text_input", "messages: the chat template dropped or repeated a media part")
+            raise FieldError(T.TEXT_INPUT, "messages: the chat template dropped or repeated a media part")
         ids = []
         for index, piece in enumerate(pieces):
-            ids.extend(self.tokenizer(piece, add_special_tokens=False).input_ids if piece else [])
+            ids.extend(self.chat.encode(piece) if piece else [])
             if index < len(media):
                 item = media[index]
                 spec = self.media.specs[item["kind"]]
@@ -249,12 +310,15 @@ class Preprocessor:
                 ids.extend([token_id] * item["tokens"])
         return ids, media_outputs(media, self.media.specs) if media else {}
 
-    def _processor_messages(self, text: str) -> tuple[list[int], dict[str, np.ndarray]]:
+    def _processor_messages(self, text: str, add_generation_prompt: bool,
+                            continue_final_message: bool) -> tuple[list[int], dict[str, np.ndarray]]:
         """`tokenize_messages` through a multimodal checkpoint's own processor (`hf_prompt.ProcessorPrompt`).
         Parts of a kind the checkpoint does not read go to a project encoder (`MediaConfig.specs`), written into
-        the messages as runs of its placeholder token."""
+        the messages as runs of its placeholder token (after the client's text was marked: these are control
+        tokens)."""
         prompt, limits = self.media.prompt, self.media.limits
-        messages, media = parse_chat(text, self._marker, keep_parts=True)
+        messages, media = parse_chat(text, self._marker, keep_parts=True, as_text=self.chat.mark)
+        check_template_flags(messages, add_generation_prompt, continue_final_message)
         if len(media) > limits.max_media_parts:
             raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
                              f"the limit is {limits.max_media_parts} per request)")
@@ -273,9 +337,11 @@ class Preprocessor:
             except ValueError as exc:  # media.py's messages start with the label it was given
                 raise FieldError(item["field"], str(exc).removeprefix(item["field"] + " ")) from None
         try:
-            ids, parts, positions, items = prompt.render(messages, own)
+            ids, parts, positions, items = prompt.render(messages, own, add_generation_prompt, continue_final_message)
+        except FieldError:
+            raise
         except ValueError as exc:
-            raise FieldError("text_input", str(exc)) from None
+            raise FieldError(T.TEXT_INPUT, str(exc)) from None
         if not media:
             return ids, {}
         spans = np.split(positions, np.cumsum([p["tokens"] for p in parts])[:-1]) if parts else []
@@ -284,7 +350,7 @@ class Preprocessor:
             mine = [m for m in media if m["kind"] == kind]
             found = np.flatnonzero(np.asarray(ids) == self.tokenizer.convert_tokens_to_ids(spec.placeholder_token))
             if found.size != sum(m["tokens"] for m in mine):
-                raise FieldError("text_input", f"holds {spec.placeholder_token}, the {kind} placeholder token, "
+                raise FieldError(T.TEXT_INPUT, f"holds {spec.placeholder_token}, the {kind} placeholder token, "
                                  f"outside its media parts")
             for span, m in zip(np.split(found, np.cumsum([m["tokens"] for m in mine])[:-1]) if mine else [], mine):
                 placed.append((span, {"kind": kind, "tokens": m["tokens"], "items": 1}
@@ -293,8 +359,8 @@ class Preprocessor:
                 items[ENCODER_INPUTS[kind]] = np.stack([m["array"] for m in mine]).astype(np.float32)
         placed.sort(key=lambda pair: int(pair[0][0]))
         return ids, items | {
-            "media_parts": string_tensor(json.dumps([part for _, part in placed])),
-            "media_positions": np.concatenate([span for span, _ in placed]).astype(np.int32),
+            T.MEDIA_PARTS: string_tensor(json.dumps([part for _, part in placed])),
+            T.MEDIA_POSITIONS: np.concatenate([span for span, _ in placed]).astype(np.int32),
         }
 
     def _processor_media(self, item: dict):
@@ -389,7 +455,7 @@ class Preprocessor:
         """
         ids = [int(i) for i in np.asarray(array).reshape(-1)]
         if not ids:
-            raise FieldError("prompt_token_ids", "is empty")
+            raise FieldError(T.PROMPT_TOKEN_IDS, "is empty")
         vocab_size = len(self.tokenizer)
         for index, token_id in enumerate(ids):
             if not 0 <= token_id < vocab_size:
@@ -412,7 +478,8 @@ class Preprocessor:
                 values[field.param] = one_value(arrays, field.tensor, _PYTHON_TYPES[field.datatype])
         max_tokens = values["max_tokens"]
         if max_tokens is not None and max_tokens > self.max_model_len:
-            raise FieldError("max_tokens", f"must be at most {self.max_model_len} (max_model_len), got {max_tokens}")
+            raise FieldError(BY_PARAM["max_tokens"].tensor,
+                             f"must be at most {self.max_model_len} (max_model_len), got {max_tokens}")
         return values
 
     def sampling_params(self, settings: dict, prompt_tokens: int) -> SamplingParams:
@@ -438,27 +505,33 @@ class Preprocessor:
         Raises:
             FieldError, ContextLengthExceeded: any bad input; the message names the tensor and the problem.
         """
-        text = one_value(arrays, "text_input", str)
+        text = one_value(arrays, T.TEXT_INPUT, str)
         if text is None:
-            raise FieldError("text_input", "is required")
+            raise FieldError(T.TEXT_INPUT, "is required")
         settings = self.settings(arrays)
+        flags = {name: one_value(arrays, name, bool, default) for name, default in TEMPLATE_FLAGS.items()}
         media = {}
-        if arrays.get("prompt_token_ids") is not None:
-            ids = self.check_token_ids(arrays["prompt_token_ids"])
+        is_messages = arrays.get(T.PROMPT_TOKEN_IDS) is None and text.lstrip().startswith("[")
+        if not is_messages:
+            for name, default in TEMPLATE_FLAGS.items():
+                if flags[name] != default:
+                    raise FieldError(name, "applies to a messages array only (the prompt is text or token ids)")
+        if arrays.get(T.PROMPT_TOKEN_IDS) is not None:
+            ids = self.check_token_ids(arrays[T.PROMPT_TOKEN_IDS])
             prompt_text = self.tokenizer.decode(ids)
-        elif text and text.lstrip().startswith("["):
-            ids, media = self.tokenize_messages(text)
+        elif is_messages:
+            ids, media = self.tokenize_messages(text, **flags)
             if not ids:
-                raise FieldError("text_input", "is empty after tokenization")
+                raise FieldError(T.TEXT_INPUT, "is empty after tokenization")
             prompt_text = self.tokenizer.decode(ids)
         else:
-            ids = self.tokenize(text)
+            ids = self.tokenize_text(text)
             prompt_text = text
         params = self.sampling_params(settings, len(ids))
         outputs = {
-            "input_ids": np.asarray(ids, dtype=np.int32),
-            "sampling_params": string_tensor(params.to_json()),
-            "prompt_text": string_tensor(prompt_text),
+            T.INPUT_IDS: np.asarray(ids, dtype=np.int32),
+            T.SAMPLING_PARAMS: string_tensor(params.to_json()),
+            T.PROMPT_TEXT: string_tensor(prompt_text),
         }
         if self.media is not None:  # every media output, empty or not: the omni_chat_mm ensemble waits for them
             outputs.update(empty_media_outputs(self.media.specs) | media)
@@ -470,10 +543,10 @@ def empty_media_outputs(specs: dict) -> dict[str, np.ndarray]:
     image = specs["image"].processor["image_size"] if "image" in specs else 224
     audio = specs["audio"].processor if "audio" in specs else {"feature_size": 80, "max_frames": 3000}
     return {
-        "media_parts": string_tensor("[]"),
-        "media_positions": np.zeros(0, dtype=np.int32),
-        "pixel_values": np.zeros((0, 3, image, image), dtype=np.float32),
-        "input_features": np.zeros((0, audio["feature_size"], audio["max_frames"]), dtype=np.float32),
+        T.MEDIA_PARTS: string_tensor("[]"),
+        T.MEDIA_POSITIONS: np.zeros(0, dtype=np.int32),
+        T.PIXEL_VALUES: np.zeros((0, 3, image, image), dtype=np.float32),
+        T.INPUT_FEATURES: np.zeros((0, audio["feature_size"], audio["max_frames"]), dtype=np.float32),
     }
 
 
@@ -484,13 +557,13 @@ def media_outputs(media: list[dict], specs: dict) -> dict[str, np.ndarray]:
     positions = [m["start"] + i for m in media for i in range(m["tokens"])]
     outputs = empty_media_outputs(specs)
     outputs |= {
-        "media_parts": string_tensor(json.dumps([{"kind": m["kind"], "tokens": m["tokens"], "items": 1}
+        T.MEDIA_PARTS: string_tensor(json.dumps([{"kind": m["kind"], "tokens": m["tokens"], "items": 1}
                                                  | ({"frames": m["frames"]} if m["kind"] == "audio" else {})
                                                  for m in media])),
-        "media_positions": np.asarray(positions, dtype=np.int32),
+        T.MEDIA_POSITIONS: np.asarray(positions, dtype=np.int32),
     }
     if images:
-        outputs["pixel_values"] = np.stack(images).astype(np.float32)
+        outputs[T.PIXEL_VALUES] = np.stack(images).astype(np.float32)
     if audio:
-        outputs["input_features"] = np.stack(audio).astype(np.float32)
+        outputs[T.INPUT_FEATURES] = np.stack(audio).astype(np.float32)
     return outputs

@@ -55,6 +55,26 @@ def transformers_inputs(architecture: str, folder, count: int = 1):
     return processor(text=text, images=images if architecture == "llava" else [images], return_tensors="pt")
 
 
+def transformers_sanitized_ids(architecture: str, folder, text: str) -> list[int]:
+    """The prompt ids of transformers' `apply_chat_template(..., sanitize_control_tokens=True)` (control-token
+    strings in the client's text encoded as text) for one user message: `text`, then one media part. transformers
+    5.24's Idefics3 processor cannot do this with images (it counts a typed "<image>" as a slot)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from omni_backend.stages.media import MediaLimits, decode_audio
+
+    if KIND[architecture] == "audio":
+        part = {"type": "audio", "audio": decode_audio(base64.b64encode(audio_bytes()).decode(), "clip", MediaLimits())}
+    else:
+        raw = base64.b64decode(media_parts(architecture)[0]["image_url"]["url"].partition(",")[2])
+        part = {"type": "image", "image": Image.open(io.BytesIO(raw)).convert("RGB")}
+    chat = [{"role": "user", "content": [{"type": "text", "text": text}, part]}]
+    encoded = AutoProcessor.from_pretrained(folder).apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True, sanitize_control_tokens=True)
+    return [int(i) for i in encoded["input_ids"][0]]
+
+
 def transformers_model(architecture: str, folder):
     from transformers import AutoModelForImageTextToText, Qwen2AudioForConditionalGeneration
 

@@ -76,7 +76,17 @@ def test_image_and_audio_in_one_message_keep_their_order(preprocessor):
     assert out["pixel_values"].shape == (1, 3, 224, 224) and out["input_features"].shape == (2, 80, 3000)
 
 
-def test_a_typed_audio_placeholder_token_is_refused(preprocessor):
-    content = [{"type": "text", "text": "<empty_output>"}, audio_part(audio_bytes())]
-    with pytest.raises(FieldError, match="placeholder token"):
-        run(preprocessor, [{"role": "user", "content": content}])
+def test_typed_placeholder_tokens_are_text_not_media_slots(preprocessor):
+    """The audio placeholder ("<empty_output>") and SmolVLM's "<image>" typed by a client are their text pieces:
+    the only placeholders in the prompt are the real audio part's."""
+    content = [{"type": "text", "text": "<empty_output><image>"}, audio_part(audio_bytes())]
+    out = run(preprocessor, [{"role": "user", "content": content}])
+    ids = out["input_ids"].tolist()
+    user = ids.index(4093) + 2  # "<|im_start|>user\n": 1, 4093, 198
+    # '<' 'empty' '_' 'output' '>' then '<' 'image' '>': each marked token is encoded as text on its own
+    assert ids[user:user + 8] == [44, 16451, 79, 4952, 46, 44, 5028, 46]
+    audio_id, image_id = (preprocessor.tokenizer.convert_tokens_to_ids(t) for t in ("<empty_output>", "<image>"))
+    parts = json.loads(out["media_parts"][0])
+    assert [p["kind"] for p in parts] == ["audio"] and image_id not in ids
+    assert ids.count(audio_id) == parts[0]["tokens"] == out["media_positions"].size
+    assert out["media_positions"][0] == user + 8 + 1  # after the text part and the "\n" joining the parts

@@ -15,7 +15,8 @@ def test_schema_errors_name_the_field():
     cases = [
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
-        ({"model": "m", "messages": [{"role": "user"}, {"role": "bot", "content": "x"}]}, "messages[1].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "x"}]},
+         "messages[1].role"),
         ({"messages": []}, "model"),
         ({"model": "m"}, "messages"),
     ]
@@ -83,6 +84,95 @@ def test_types_are_strict(field, value):
     with pytest.raises(errors.OpenAIError) as excinfo:
         protocol.parse_request(protocol.ChatCompletionRequest, body)
     assert (excinfo.value.status, excinfo.value.param) == (400, field)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+# The OpenAI API reference's request fields (chat completions and legacy completions) and vLLM's extensions.
+OPENAI_CHAT_FIELDS = [
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+    "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+    "top_logprobs", "top_p", "user", "verbosity", "web_search_options"]
+OPENAI_COMPLETION_FIELDS = [
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"]
+VLLM_FIELDS = [
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words", "echo", "add_special_tokens",
+    "mm_processor_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
+    "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "prompt_embeds"]
+VLLM_CHAT_FIELDS = ["add_generation_prompt", "continue_final_message", "documents", "chat_template",
+                    "chat_template_kwargs"]
+
+
+@pytest.mark.parametrize("model, names", [(protocol.ChatCompletionRequest,
+                                           OPENAI_CHAT_FIELDS + VLLM_FIELDS + VLLM_CHAT_FIELDS),
+                                          (protocol.CompletionRequest, OPENAI_COMPLETION_FIELDS + VLLM_FIELDS)])
+def test_every_known_field_is_served_descriptive_or_refused(model, names):
+    """c34's audit: no OpenAI or vLLM field falls through to "unknown"."""
+    unclassified = [n for n in names if n not in model.model_fields and n not in protocol.DESCRIPTIVE_FIELDS
+                    and n not in model.NOT_SERVED]
+    assert not unclassified
+
+
+@pytest.mark.parametrize("body", [
+    {**CHAT, "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "x",
+     "safety_identifier": "s", "request_id": "r", "parallel_tool_calls": True},
+    {**CHAT, "use_beam_search": False, "skip_special_tokens": True, "min_tokens": 0, "stop_token_ids": [],
+     "add_special_tokens": False, "echo": False, "priority": 0, "length_penalty": 1.0, "guided_json": None},
+    {**COMPLETION, "add_special_tokens": True, "echo": True, "best_of": 1, "include_stop_str_in_output": False},
+])
+def test_descriptive_fields_and_what_the_server_does_anyway_are_accepted(body):
+    model = protocol.ChatCompletionRequest if "messages" in body else protocol.CompletionRequest
+    protocol.parse_request(model, body)
+
+
+@pytest.mark.parametrize("model, body, param, fragment", [
+    (protocol.ChatCompletionRequest, {**CHAT, "min_tokens": 5}, "min_tokens", "min_tokens is not supported by "
+     "this server (only 0, what it does anyway)"),
+    (protocol.ChatCompletionRequest, {**CHAT, "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    (protocol.ChatCompletionRequest, {**CHAT, "reasoning_effort": "low"}, "reasoning_effort", "not supported"),
+    (protocol.ChatCompletionRequest, {**CHAT, "add_special_tokens": True}, "add_special_tokens", "only false"),
+    (protocol.ChatCompletionRequest, {**CHAT, "use_beam_search": 0}, "use_beam_search", "only false"),
+    (protocol.ChatCompletionRequest, {**CHAT, "temprature": 0}, "temprature",
+     "Unrecognized request argument supplied: temprature"),
+    (protocol.CompletionRequest, {**COMPLETION, "add_special_tokens": False}, "add_special_tokens", "only true"),
+    (protocol.CompletionRequest, {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+])
+def test_a_field_that_would_change_the_answer_is_refused_naming_it(model, body, param, fragment):
+    with pytest.raises(errors.OpenAIError) as excinfo:
+        protocol.parse_request(model, body)
+    assert (excinfo.value.status, excinfo.value.param) == (400, param)
+    assert fragment in excinfo.value.message
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user", "content": None}, "messages[0].content"),
+    ({"role": "user"}, "messages[0].content"),
+    ({"role": "system"}, "messages[0].content"),
+    ({"role": "assistant", "content": None}, "messages[0].content"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+     "messages[0].tool_calls"),  # may leave content out, but tool calls are not served
+])
+def test_c36_a_message_without_content_is_refused_naming_it(message, param):
+    with pytest.raises(errors.OpenAIError) as excinfo:
+        protocol.parse_request(protocol.ChatCompletionRequest, {"model": "m", "messages": [message]})
+    assert (excinfo.value.status, excinfo.value.param) == (400, param)
+    assert excinfo.value.message.startswith(param)
+
+
+def test_chat_template_flags_travel_to_preprocess_when_not_the_default():
+    continued = protocol.parse_request(protocol.ChatCompletionRequest, {
+        **CHAT, "add_generation_prompt": False, "continue_final_message": True}).generation()
+    assert continued.prompts[0].template == {"add_generation_prompt": False, "continue_final_message": True}
+    assert protocol.parse_request(protocol.ChatCompletionRequest, {
+        **CHAT, "add_generation_prompt": True, "continue_final_message": False}).generation().prompts[0].template == {}
 
 
 def test_stage_errors_map_by_their_kind_not_their_wording():

@@ -7,8 +7,8 @@ folder that tritonserver loads with `--model-repository`.
 
 Every setting is declared once, where it is used (omni_backend/settings.py): the engine's in
 `engine.config.EngineConfig`, the llm stage's in `stages.llm.parameters` (with the governor's, `governor_<field>`),
-preprocess's in `stages.preprocess.PreprocessSettings`, the encoders' in `stages.media_encoder.EncoderSettings` (`encoder_<field>`) and the diffusion stage's in
-`stages.diffusion.DiffusionSettings` (`diffusion_<field>`). `Settings` is made from those declarations
+preprocess's in `stages.preprocess.PreprocessSettings`, the encoders' in `stages.media_encoder.EncoderSettings`
+(`encoder_<field>`) and the diffusion stage's in `stages.diffusion.DiffusionSettings` (`diffusion_<field>`). `Settings` is made from those declarations
 (`SETTING_GROUPS`), the llm model's whole `parameters` block is rendered from them (`${llm_parameters}`), and the
 table in docs/operations.md is `settings_table()` (`python -m omni_backend.repository --table` prints it).
 

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 _METADATA_KEY = "omni_setting"
 
@@ -198,6 +198,28 @@ def to_text(value: Any) -> str:
 def to_strings(instance, prefix: str = "") -> dict[str, str]:
     """`prefix` + field name -> text (`to_text`) for every declared field of a dataclass instance."""
     return {prefix + f.name: to_text(getattr(instance, f.name)) for f, _ in declared(type(instance))}
+
+
+class SettingGroup:
+    """Base of a dataclass whose fields are settings: its values are checked when it is made (`check`; a subclass
+    with rules between fields calls `super().__post_init__()` first), and `from_strings` parses a stage's string
+    parameters into one. `PREFIX` starts the operators' names of its settings (`OMNI_GOVERNOR_<FIELD>` for
+    `GovernorConfig`'s); a stage's own config names them by field, except where several groups share one config
+    (the llm's: `governor_<field>` there)."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @classmethod
+    def from_strings(cls, strings: dict[str, str], prefix: str = "", **given: Any):
+        """An instance from string values keyed by `prefix` + field name (module function `from_strings`).
+
+        Raises:
+            ValueError: a value a setting does not allow, or a broken rule between fields, naming it.
+        """
+        return from_strings(cls, strings, prefix, **given)
 
 
 def _num(value: float) -> str:

@@ -60,7 +60,8 @@ def import_graph(files: dict[str, Path] | None = None) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
             else:
                 continue

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_backend import settings
 from omni_backend.ops.hardware import resolve_device
-from omni_backend.settings import setting
+from omni_backend.settings import SettingGroup, setting
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 QUANTIZATIONS = ("none", "int8")
@@ -22,7 +21,7 @@ DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(SettingGroup):
     """Settings of one LLM engine instance (each field's doc is its `setting`'s; cross-field rules below).
 
     Rules between fields: max_num_batched_tokens >= max_num_seqs; quantization int8 computes in float32 (dtype auto
@@ -62,7 +61,7 @@ class EngineConfig:
                                 choices=QUANTIZATIONS)
 
     def __post_init__(self) -> None:
-        settings.check(self)
+        super().__post_init__()
         if not self.model_path:
             raise ValueError("setting model_path is required (a checkpoint folder)")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -71,16 +70,6 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization} computes in float32; dtype {self.dtype} is not that")
         if self.quantization != "none" and self.device not in ("cpu", "auto"):
             raise ValueError(f"quantization {self.quantization} runs on CPU engines only (device {self.device})")
-
-    @classmethod
-    def from_strings(cls, strings: dict[str, str], **given) -> "EngineConfig":
-        """From a Triton config's string parameters keyed by field name (settings.from_strings); `given` values
-        (e.g. the resolved device) win.
-
-        Raises:
-            ValueError: a malformed value or a broken rule.
-        """
-        return settings.from_strings(cls, strings, **given)
 
     @property
     def torch_device(self) -> torch.device:

@@ -67,8 +67,8 @@ class TritonServer:
         log_verbose: `--log-verbose` level (0 = off).
         extra_args: more tritonserver flags, e.g. `["--model-control-mode=explicit", "--load-model=preprocess"]`.
         env: environment changes for the server and its stubs (a None value removes the variable).
-        admin_key: the operator's key for the restricted APIs (operator_key.RESTRICTED_APIS); None: `OMNI_ADMIN_KEY`, else a
-            random one (`admin_key_generated` is then True; the caller shows it once).
+        admin_key: the operator's key for the restricted APIs (operator_key.RESTRICTED_APIS); None: `OMNI_ADMIN_KEY`,
+            else a random one (`admin_key_generated` is then True; the caller shows it once).
     """
 
     def __init__(

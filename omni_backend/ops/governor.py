@@ -21,9 +21,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from omni_backend import settings
 from omni_backend.ops.hardware import GpuInfo, GpuReading, Nvml, NvmlUnavailable
-from omni_backend.settings import setting
+from omni_backend.settings import SettingGroup, setting
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class GovernorState(enum.IntEnum):
 
 
 @dataclass
-class GovernorConfig:
+class GovernorConfig(SettingGroup):
     """Thresholds, each a setting (omni_backend/settings.py) of the llm stage under the name `governor_<field>`;
     None: derived from the GPU (see the module docstring)."""
 
@@ -62,18 +61,6 @@ class GovernorConfig:
     retry_after_s: int = setting(10, "seconds refused clients are told to wait (Retry-After)", low=0)
 
     PREFIX = "governor_"  # the settings' names: governor_<field>
-
-    def __post_init__(self) -> None:
-        settings.check(self)
-
-    @classmethod
-    def from_parameters(cls, parameters: dict[str, str]) -> "GovernorConfig":
-        """From a Triton config's `governor_<field>` string parameters (empty: default).
-
-        Raises:
-            ValueError: a value the setting does not allow, naming it.
-        """
-        return settings.from_strings(cls, parameters, cls.PREFIX)
 
 
 class Governor:

@@ -33,10 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_backend import settings
 from omni_backend import tensor_names as T
 from omni_backend.engine.config import DEVICE_PATTERN, DTYPES
-from omni_backend.settings import setting
+from omni_backend.settings import SettingGroup, setting
 from omni_backend.stages.tensors import one_value
 from omni_backend.vocabulary import FieldError
 
@@ -45,7 +44,7 @@ MAX_SEED = 2**63 - 1
 
 
 @dataclass
-class DiffusionSettings:
+class DiffusionSettings(SettingGroup):
     """Settings of the diffusion stage (rendered as `diffusion_<field>`, omni_backend/repository.py)."""
 
     model_path: str = setting("", "the diffusion stage's pipeline folder (diffusers layout); empty: the tiny random "
@@ -56,10 +55,7 @@ class DiffusionSettings:
     gpu_memory_fraction: float = setting(0.08, "share of the GPU for the diffusion stage (ops/gpu_budget.py)",
                                          low=0.0, low_open=True, high=1.0)
 
-    PREFIX = "diffusion_"
-
-    def __post_init__(self) -> None:
-        settings.check(self)
+    PREFIX = "diffusion_"  # the settings' names: diffusion_<field>
 
 
 @dataclass(frozen=True)
@@ -187,6 +183,8 @@ class DiffusionStage:
         device: torch device the pipeline runs on (generators are made there).
     """
 
+    input_names = INPUT_NAMES  # the model's inputs (triton_glue.StageModel)
+
     def __init__(self, pipeline, limits: ImageLimits, device: str = "cpu"):
         self.pipeline = pipeline
         self.limits = limits
@@ -201,7 +199,7 @@ class DiffusionStage:
         Raises:
             ValueError: a malformed setting; RuntimeError: a CUDA device torch cannot use.
         """
-        own = settings.from_strings(DiffusionSettings, parameters)
+        own = DiffusionSettings.from_strings(parameters)
         return cls.from_pretrained(own.model_path, ImageLimits.from_parameters(parameters), own.device, own.dtype,
                                    own.gpu_memory_fraction)
 

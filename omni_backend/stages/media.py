@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_backend import settings
-from omni_backend.settings import setting
+from omni_backend.settings import SettingGroup, setting
 
 SAMPLE_RATE = 16_000
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}
@@ -47,8 +46,8 @@ LARGE_IMAGE_DRAFT = 2048
 
 
 @dataclass
-class MediaLimits:
-    """Limits of media parts: preprocess settings (constants of its model config, parsed by `from_parameters`;
+class MediaLimits(SettingGroup):
+    """Limits of media parts: preprocess settings (constants of its model config, parsed by `from_strings`;
     an absent key keeps its default here)."""
 
     max_image_bytes: int = setting(10 * 1024 * 1024, "encoded size of one image, bytes", low=1)
@@ -58,18 +57,6 @@ class MediaLimits:
     max_audio_seconds: float = setting(30.0, "duration of one audio clip, s", low=0.0, low_open=True)
     max_media_parts: int = setting(8, "image + audio parts in one request", low=1)
     allow_http: bool = setting(False, "fetch http(s) image URLs (off: the server would fetch arbitrary URLs)")
-
-    def __post_init__(self) -> None:
-        settings.check(self)
-
-    @classmethod
-    def from_parameters(cls, parameters: dict[str, str]) -> "MediaLimits":
-        """Limits from the preprocess model's string parameters (omni_backend/settings.py).
-
-        Raises:
-            ValueError: a value its setting does not allow, naming it.
-        """
-        return settings.from_strings(cls, parameters)
 
 
 def _b64decode(data: str, where: str) -> bytes:

@@ -17,9 +17,11 @@ import numpy as np
 
 from omni_backend import settings
 from omni_backend import tensor_names as T
-from omni_backend.settings import setting
+from omni_backend.ops.metrics import EncoderMetrics
+from omni_backend.settings import SettingGroup, setting
 from omni_backend.stages.encoder_cache import EncoderCache, content_key
 from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, media_source
+from omni_backend.stages.triton_glue import StageModel
 from omni_backend.vocabulary import FieldError
 
 # The encoder model and its item input of each media kind (model_repository/{vision,audio}_encoder); an audio
@@ -160,7 +162,7 @@ class EncoderStage:
 
 
 @dataclass
-class EncoderSettings:
+class EncoderSettings(SettingGroup):
     """Settings of the media encoder stages (rendered as `encoder_<field>`, omni_backend/repository.py)."""
 
     gpu_memory_fraction: float = setting(0.04, "share of each GPU for each media encoder (ops/gpu_budget.py)",
@@ -169,10 +171,7 @@ class EncoderSettings:
                               "$OMNI_VISION_MODEL_PATH / $OMNI_AUDIO_MODEL_PATH, else the tiny random default "
                               "(media_spec.media_source)", operator=False)
 
-    PREFIX = "encoder_"
-
-    def __post_init__(self) -> None:
-        settings.check(self)
+    PREFIX = "encoder_"  # the operator's names: encoder_<field>
 
 
 def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
@@ -190,7 +189,7 @@ def create_stage(kind: str, parameters: dict[str, str]) -> EncoderStage:
     from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
     from omni_backend.ops.hardware import resolve_device
 
-    own = settings.from_strings(EncoderSettings, parameters)
+    own = EncoderSettings.from_strings(parameters)
     llm_model_path = settings.parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"),
                                           "llm_model_path")
     source = media_source(kind, own.model_path, llm_model_path)
@@ -274,3 +273,21 @@ def splice_embeddings(parts: list[dict], positions: np.ndarray, calls: list[Enco
     if embeds.shape[0] != positions.size:
         raise ValueError(f"encoders gave {embeds.shape[0]} embeddings for {positions.size} placeholders")
     return {T.PROMPT_EMBEDS: embeds, T.PROMPT_EMBED_POSITIONS: positions}
+
+
+class EncoderModel(StageModel):
+    """The Triton model of an encoder stage (dynamic batching); its model.py names the media `KIND`. Publishes
+    the encoder's item and cache counters after each batch (ops/metrics.py EncoderMetrics)."""
+
+    BATCHED = True
+    KIND = ""
+
+    def build(self, parameters: dict[str, str]) -> EncoderStage:
+        self.NAME = ENCODERS[self.KIND][0]
+        self.metrics = EncoderMetrics(self.pb_utils, self.args["model_name"], self.args["model_version"])
+        return create_stage(self.KIND, parameters)
+
+    def execute(self, requests) -> list:
+        responses = super().execute(requests)
+        self.metrics.publish(self.stage.num_items, self.stage.num_encoded)
+        return responses

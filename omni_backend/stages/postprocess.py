@@ -107,6 +107,8 @@ class TokenBytes:
 class Postprocessor:
     """Passes the llm stage's text through and converts its logprobs for one model's tokenizer."""
 
+    input_names = INPUT_NAMES  # the model's inputs (triton_glue.StageModel)
+
     def __init__(self, tokenizer):
         self.token_bytes = TokenBytes(tokenizer)
 

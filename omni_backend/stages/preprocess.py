@@ -52,11 +52,10 @@ from typing import Callable
 
 import numpy as np
 
-from omni_backend import settings
 from omni_backend import tensor_names as T
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
-from omni_backend.settings import parse_field, setting
+from omni_backend.settings import SettingGroup, parse_field, setting
 from omni_backend.stages.chat_template import ChatTemplate
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
@@ -149,16 +148,13 @@ def check_template_flags(messages: list[dict], add_generation_prompt: bool, cont
 
 
 @dataclass
-class PreprocessSettings:
+class PreprocessSettings(SettingGroup):
     """Settings of the preprocess stage (rendered into its config by omni_backend/repository.py)."""
 
     completions_allow_special_tokens: bool = setting(
         False, "true: control-token strings (<|im_end|>, ...) in a plain-text prompt (completions' prompt, a "
         "text_input that is no messages array) become those tokens; false: they are text. Chat messages are always "
         "text (docs/api.md)")
-
-    def __post_init__(self) -> None:
-        settings.check(self)
 
 
 class MediaConfig:
@@ -188,7 +184,7 @@ class MediaConfig:
 
         from omni_backend.engine.config import EngineConfig
 
-        limits = MediaLimits.from_parameters(parameters)
+        limits = MediaLimits.from_strings(parameters)
         llm_model_path = parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"), "llm_model_path")
         specs, prompt = {}, None
         for kind, key in (("image", "vision_model_path"), ("audio", "audio_model_path")):
@@ -214,6 +210,8 @@ class Preprocessor:
             the operator setting `completions_allow_special_tokens` asks; off (the default), they are text like the
             rest. Chat messages are always text: only the chat template writes control tokens.
     """
+
+    input_names = INPUT_NAMES  # the model's inputs (triton_glue.StageModel)
 
     def __init__(self, tokenizer, max_model_len: int, media: MediaConfig | None = None,
                  allow_special_tokens: bool = False):
@@ -251,7 +249,7 @@ class Preprocessor:
 
         model_path = parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"), "llm_model_path")
         max_model_len = parse_field(EngineConfig, "max_model_len", parameters.get("max_model_len"))
-        own = settings.from_strings(PreprocessSettings, parameters)
+        own = PreprocessSettings.from_strings(parameters)
         return cls.from_pretrained(model_path, max_model_len, MediaConfig.from_parameters(parameters),
                                    own.completions_allow_special_tokens)
 

@@ -1,7 +1,8 @@
 """The one shape of every `model_repository/<stage>/1/model.py`: what touches `triton_python_backend_utils`.
 
 A model's glue parses its string parameters in `initialize` (`string_parameters`), starts its heartbeat
-(`start_heartbeat`), and in `execute` answers every request on its own, so one bad request never fails another:
+(`start_heartbeat`), and in `execute` answers every request on its own, so one bad request never fails another
+(`StageModel` is all of that for a stage that answers at once):
 
 - `respond_each`: one response per request, `run(arrays)` -> output arrays;
 - `respond_batch`: a dynamic batch run together, `run_batch([arrays, ...])` -> one result per item, either its output
@@ -84,6 +85,47 @@ def _outcome(run: Callable[[dict], dict], arrays: dict):
         return run(arrays)
     except Exception as exc:
         return exc
+
+
+class StageModel:
+    """The `TritonPythonModel` of a stage that answers each request at once (`respond_each`) or each dynamic batch
+    together (`respond_batch`, `BATCHED`). A model.py subclasses it and says what its stage is:
+
+    - `NAME`: the stage's name in INTERNAL errors;
+    - `build(parameters)`: the stage object from the model's string parameters (`self.pb_utils` and `self.args`
+      are set before), whose `input_names`, `run(arrays)` and `run_batch([arrays, ...])` it answers with unless
+      the subclass overrides those three.
+    """
+
+    NAME = ""
+    BATCHED = False
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils  # exists only inside a stub process
+
+        self.pb_utils, self.args = pb_utils, args
+        self.stage = self.build(string_parameters(args))
+        self.heartbeat = start_heartbeat(pb_utils, args)
+
+    def build(self, parameters: dict[str, str]):
+        return None
+
+    def input_names(self) -> tuple[str, ...]:
+        return self.stage.input_names
+
+    def run(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.stage.run(arrays)
+
+    def run_batch(self, batch: list[dict[str, np.ndarray]]) -> list:
+        return self.stage.run_batch(batch)
+
+    def execute(self, requests) -> list:
+        if self.BATCHED:
+            return respond_batch(self.pb_utils, requests, self.input_names(), self.run_batch, self.NAME)
+        return respond_each(self.pb_utils, requests, self.input_names(), self.run, self.NAME)
+
+    def finalize(self) -> None:
+        self.heartbeat.stop()
 
 
 class StreamSender:

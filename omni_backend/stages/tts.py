@@ -51,9 +51,8 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from omni_backend import settings
 from omni_backend import tensor_names as T
-from omni_backend.settings import setting
+from omni_backend.settings import SettingGroup, setting
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.stages.tts_input import speech_text, unspeakable_reason
 from omni_backend.stages.tts_options import DEFAULT_VOICE, SpeechOptions
@@ -133,7 +132,7 @@ class _StreamState:
 
 
 @dataclass
-class SpeechSettings:
+class SpeechSettings(SettingGroup):
     """Settings of the tts stage (constants of its model config; absent keys keep these defaults)."""
 
     engine: str = setting("piper", "the synthesizer (a key of ENGINES)", choices=tuple(ENGINES))
@@ -141,9 +140,6 @@ class SpeechSettings:
     max_text_chars: int = setting(4096, "longest self-contained text, characters", low=1)
     stream_ttl_s: float = setting(600.0, "a stream not heard from for this long is forgotten, s", low=0.0,
                                   low_open=True)
-
-    def __post_init__(self) -> None:
-        settings.check(self)
 
 
 class SpeechStage:
@@ -172,7 +168,7 @@ class SpeechStage:
         Raises:
             ValueError: a malformed setting.
         """
-        own = settings.from_strings(SpeechSettings, parameters)
+        own = SpeechSettings.from_strings(parameters)
         return cls(ENGINES[own.engine](threads=own.threads), own.max_text_chars, own.stream_ttl_s)
 
     @property

@@ -17,7 +17,6 @@ from omni_backend.repository import Settings
 from omni_backend.setup.tiny_multimodal import IMAGE_TOKENS
 from omni_backend.stages.preprocess import MediaConfig, Preprocessor
 from omni_backend.stages.tensors import string_tensor
-from omni_backend.vocabulary import FieldError
 
 SMOLLM2 = paths.models_dir() / "SmolLM2-135M-Instruct"
 DEFAULT = Settings.load(environ={}).llm_model_path

@@ -135,11 +135,11 @@ def test_thresholds_derive_from_the_gpu_when_not_set():
     assert governor.enabled and governor.gpu.power_limit_w == 400
     assert (governor.power_threshold_w, governor.hysteresis_w, governor.critical_temp_c, governor.step) == (
         360.0, 20.0, 85.0, 8)
-    config = GovernorConfig.from_parameters({"governor_power_threshold_w": "250", "governor_critical_temp_c": "80",
-                                             "governor_power_fraction": "", "governor_interval_s": "0.5"})
+    config = GovernorConfig.from_strings({"governor_power_threshold_w": "250", "governor_critical_temp_c": "80",
+                                          "governor_power_fraction": "", "governor_interval_s": "0.5"}, "governor_")
     assert (config.power_threshold_w, config.critical_temp_c, config.power_fraction) == (250.0, 80.0, 0.9)
     with pytest.raises(ValueError, match="setting governor_min_num_seqs must be an integer >= 1, got 'two'"):
-        GovernorConfig.from_parameters({"governor_min_num_seqs": "two"})
+        GovernorConfig.from_strings({"governor_min_num_seqs": "two"}, "governor_")
 
 
 def test_each_gpu_engine_gets_the_governor_of_its_own_gpu():

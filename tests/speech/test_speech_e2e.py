@@ -4,7 +4,6 @@ ensemble on Triton directly."""
 
 import base64
 import io
-import json
 
 import numpy as np
 import pytest

@@ -1,18 +1,11 @@
 """Triton glue for the preprocess stage; the logic is omni_backend/stages/preprocess.py."""
 
-import triton_python_backend_utils as pb_utils
-
-from omni_backend.stages.preprocess import INPUT_NAMES, Preprocessor
-from omni_backend.stages.triton_glue import respond_each, start_heartbeat, string_parameters
+from omni_backend.stages.preprocess import Preprocessor
+from omni_backend.stages.triton_glue import StageModel
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        self.stage = Preprocessor.from_parameters(string_parameters(args))
-        self.heartbeat = start_heartbeat(pb_utils, args)
+class TritonPythonModel(StageModel):
+    NAME = "preprocess"
 
-    def execute(self, requests):
-        return respond_each(pb_utils, requests, INPUT_NAMES, self.stage.run, "preprocess")
-
-    def finalize(self):
-        self.heartbeat.stop()
+    def build(self, parameters):
+        return Preprocessor.from_parameters(parameters)

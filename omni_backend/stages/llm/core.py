@@ -18,6 +18,7 @@ import time
 
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.ops.governor import Governor
+from omni_backend.stages.llm.loop import BackgroundLoop
 from omni_backend.stages.llm.messages import AbortRequest, AddRequest, InboxMessage, ResetPrefixCache
 from omni_backend.vocabulary import ErrorKind, StageError
 
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.1  # the longest an idle loop sleeps before looking at the governor again
 
 
-class EngineCore:
+class EngineCore(BackgroundLoop):
     """Runs `engine` on its own thread; only that thread touches the engine once `start` was called.
 
     Args:
@@ -39,39 +40,30 @@ class EngineCore:
     """
 
     def __init__(self, engine: LLMEngine, governor: Governor | None = None):
+        super().__init__("llm-engine-loop")
         self.engine = engine
         self.governor = governor
         self.outbox: queue.SimpleQueue[tuple[str, RequestOutput | StageError]] = queue.SimpleQueue()
-        self.last_iteration = time.monotonic()
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llm-engine-loop", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def put(self, message: InboxMessage) -> None:
         """Hand a message to the loop (it takes it before its next step)."""
         self._inbox.put(message)
         self._wakeup.set()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop thread (after its current step)."""
-        self._stopping.set()
+    def wake(self) -> None:
         self._wakeup.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
 
-    def _loop(self) -> None:
+    def started(self) -> None:
         self.engine.runner.device.bind_thread()  # kernels launch on the current device (engine/device.py)
-        while not self._stopping.is_set():
-            self.last_iteration = time.monotonic()
-            try:
-                self.run_once()
-            except Exception:  # the loop must outlive any fault, or every request in flight would hang
-                logger.exception("engine loop iteration failed; failing the requests in flight")
-                self._fail_all(StageError(ErrorKind.INTERNAL, "engine loop failed (see server log)"))
+
+    def iterate(self) -> None:
+        self.run_once()
+
+    def failed(self, exc: Exception) -> None:
+        logger.exception("engine loop iteration failed; failing the requests in flight", exc_info=exc)
+        self._fail_all(StageError(ErrorKind.INTERNAL, "engine loop failed (see server log)"))
 
     def run_once(self) -> None:
         """One iteration: governor, inbox, one engine step (or a wait of up to IDLE_WAIT_S when idle).

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 
 from omni_backend.engine.llm_engine import RequestOutput
 from omni_backend.ops.metrics import FinishedRequest
+from omni_backend.stages.llm.loop import BackgroundLoop
 from omni_backend.vocabulary import StageError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
-class OutputRouter:
+class OutputRouter(BackgroundLoop):
     """The sinks of the requests a service holds, and the thread that feeds them.
 
     Args:
@@ -54,24 +55,15 @@ class OutputRouter:
     """
 
     def __init__(self, outbox: queue.SimpleQueue, abort: Callable[[str], None], note_finished: bool = False):
+        super().__init__("llm-responses")
         self.outbox = outbox
         self.abort = abort
         self.note_finished = note_finished
-        self.last_iteration = time.monotonic()
         self.lock = threading.Lock()
         self._sinks: dict[str, ResponseSink] = {}
         self._submitted: dict[str, float] = {}  # request id -> time.monotonic() at submit; under `lock`
         self._finished: collections.deque[FinishedRequest] = collections.deque()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llm-responses", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
+        self._next_poll = time.monotonic()
 
     @property
     def num_held(self) -> int:
@@ -115,23 +107,17 @@ class OutputRouter:
             except Exception:
                 logger.exception("failing a request failed")
 
-    def _loop(self) -> None:
-        next_poll = time.monotonic()
-        while not self._stopping.is_set():
-            self.last_iteration = time.monotonic()
-            try:
-                for request_id, item in self.take_outbox():
-                    try:  # one failing delivery must not drop the others taken with it
-                        self.deliver(request_id, item)
-                    except Exception:
-                        logger.exception("delivering a response for %s failed", request_id)
-                if time.monotonic() >= next_poll:
-                    began = time.monotonic()
-                    self.poll_cancellations()
-                    took = time.monotonic() - began
-                    next_poll = began + took + max(CANCEL_POLL_INTERVAL_S, CANCEL_POLL_SPACING * took)
-            except Exception:  # keep serving the other requests
-                logger.exception("response thread iteration failed")
+    def iterate(self) -> None:
+        for request_id, item in self.take_outbox():
+            try:  # one failing delivery must not drop the others taken with it
+                self.deliver(request_id, item)
+            except Exception:
+                logger.exception("delivering a response for %s failed", request_id)
+        if time.monotonic() >= self._next_poll:
+            began = time.monotonic()
+            self.poll_cancellations()
+            took = time.monotonic() - began
+            self._next_poll = began + took + max(CANCEL_POLL_INTERVAL_S, CANCEL_POLL_SPACING * took)
 
     def take_outbox(self) -> list[tuple[str, RequestOutput | StageError]]:
         """Everything in the outbox (waiting up to the cancellation poll interval for the first item), with each

@@ -15,19 +15,16 @@ from omni_backend import settings
 from omni_backend.engine.config import EngineConfig
 from omni_backend.ops.governor import GovernorConfig
 from omni_backend.ops.hardware import resolve_device
-from omni_backend.settings import setting
+from omni_backend.settings import SettingGroup, setting
 
 
 @dataclass
-class LLMStageSettings:
+class LLMStageSettings(SettingGroup):
     """Settings of the llm stage around its engine."""
 
     max_queued_requests: int = setting(256, "requests the llm stage holds beyond max_num_seqs, waiting to run; one "
                                        "more is refused at once with UNAVAILABLE \"waiting queue is full ... retry "
                                        "later\" (the front door: 429 + Retry-After); 0: no limit", low=0)
-
-    def __post_init__(self) -> None:
-        settings.check(self)
 
 
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (
@@ -65,8 +62,8 @@ def parse_parameters(parameters: dict[str, str], instance_kind: str | None = Non
     engine = EngineConfig.from_strings(parameters)
     device = instance_device(engine.device, instance_kind, instance_device_id, resolve)
     return StageParameters(dataclasses.replace(engine, device=device),
-                           settings.from_strings(LLMStageSettings, parameters),
-                           GovernorConfig.from_parameters(parameters))
+                           LLMStageSettings.from_strings(parameters),
+                           GovernorConfig.from_strings(parameters, GovernorConfig.PREFIX))
 
 
 def instance_device(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None,

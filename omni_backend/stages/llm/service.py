@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -33,6 +32,7 @@ from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.ops.governor import Governor
 from omni_backend.ops.metrics import LLMMetrics, LLMStats
 from omni_backend.stages.llm.core import EngineCore
+from omni_backend.stages.llm.loop import BackgroundLoop
 from omni_backend.stages.llm.messages import AbortRequest, AddRequest, ResetPrefixCache
 from omni_backend.stages.llm.outputs import OutputRouter, ResponseSink
 from omni_backend.stages.llm.server_probe import check_operator_key
@@ -102,9 +102,7 @@ class LLMService:
         self.capacity = engine.config.max_num_seqs + max_queued_requests if max_queued_requests else None
         self.num_rejected = 0  # requests refused with QueueFull since start
         self.operator_key = operator_key
-        self._stopping = threading.Event()
-        self._metrics_thread = threading.Thread(target=self._metrics_loop, name="llm-metrics", daemon=True) \
-            if metrics is not None else None
+        self._metrics_loop = _MetricsLoop(self, metrics_interval_s) if metrics is not None else None
 
     @property
     def engine(self) -> LLMEngine:
@@ -120,7 +118,7 @@ class LLMService:
         return self.router.num_held
 
     def start(self) -> None:
-        for part in (self.core, self.router, self.stop_watch, self._metrics_thread):
+        for part in (self.core, self.router, self.stop_watch, self._metrics_loop):
             if part is not None:
                 part.start()
 
@@ -230,19 +228,20 @@ class LLMService:
         logger.error("the llm stage's %s has not iterated for %.0f s; its heartbeat stops", stuck, stalled)
         return now - stalled
 
-    def _metrics_loop(self) -> None:
-        while not self._stopping.wait(self.metrics_interval_s):
-            try:
-                self.metrics.publish(self.stats(), now=self.heartbeat_time())
-            except Exception:  # metrics must never take the stage down
-                logger.exception("publishing metrics failed")
-
     def shutdown(self) -> None:
         """Stop the threads; requests still in flight get an error."""
-        self._stopping.set()
-        for part in (self.core, self.router, self.stop_watch):
+        for part in (self.core, self.router, self.stop_watch, self._metrics_loop):
             if part is not None:
                 part.stop()
-        if self._metrics_thread is not None and self._metrics_thread.is_alive():
-            self._metrics_thread.join(timeout=5)
         self.router.fail_all(StageError(ErrorKind.UNAVAILABLE, "server is shutting down"))
+
+
+class _MetricsLoop(BackgroundLoop):
+    """Publishes the service's stats and heartbeat every `interval_s` (each publication is IPC to the server)."""
+
+    def __init__(self, service: LLMService, interval_s: float):
+        super().__init__("llm-metrics", interval_s)
+        self.service = service
+
+    def iterate(self) -> None:
+        self.service.metrics.publish(self.service.stats(), now=self.service.heartbeat_time())

@@ -11,9 +11,10 @@ every client gets an ending.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
+
+from omni_backend.stages.llm.loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ STOP_POLL_INTERVAL_S = 0.5  # how often the watch thread asks whether the server
 STOP_MARGIN_S = 3.0  # aborting, the last responses and unloading must fit between the abort and the exit timeout
 
 
-class StopWatch:
+class StopWatch(BackgroundLoop):
     """Watches the server while requests are held and aborts them `grace_s` after it starts stopping.
 
     Args:
@@ -38,29 +39,16 @@ class StopWatch:
 
     def __init__(self, stopping: Callable[[], bool], grace_s: float, held: Callable[[], list[str]],
                  abort: Callable[[str], None]):
-        self.stopping, self.grace_s = stopping, grace_s
+        super().__init__("llm-stop-watch", STOP_POLL_INTERVAL_S)
+        self.server_stopping, self.grace_s = stopping, grace_s
         self.held, self.abort = held, abort
         self.deadline: float | None = None
         self._seen_ready = False
         self._probe_failed = False  # the traceback of a failing probe is logged once
         self._aborted: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="llm-stop-watch", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(STOP_POLL_INTERVAL_S):
-            try:
-                self.look()
-            except Exception:  # the watch must never take the stage down
-                logger.exception("the stop watch failed")
+    def iterate(self) -> None:
+        self.look()
 
     def look(self) -> None:
         """One look: while requests are held (and, until the server has once said it is not stopping, also while
@@ -72,7 +60,7 @@ class StopWatch:
             return
         if self.deadline is None or now < self.deadline:  # during the grace too: a false alarm clears
             try:
-                stopping = self.stopping()
+                stopping = self.server_stopping()
             except Exception:  # an unknown answer: ask again later, change nothing
                 logger.warning("asking whether the server is stopping failed", exc_info=not self._probe_failed)
                 self._probe_failed = True

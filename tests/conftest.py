@@ -1,9 +1,9 @@
-"""Fixtures for tests against a real tritonserver (client helpers: tests/chat_client.py).
+"""Fixtures for tests against a real tritonserver (client helpers: tests/helpers/chat_client.py).
 
 `triton_server` (session scope) renders the model repository with test settings into a temporary folder and
 starts one tritonserver on free ports for the whole session; `stages_server` serves only the preprocess and
 postprocess stages, so they are tested on a real server apart from the LLM. Tests using them are marked
-`server`. `front_door` (session) is the OpenAI front door on that server (tests/front_door.py);
+`server`. `front_door` (session) is the OpenAI front door on that server (tests/helpers/front_door.py);
 `make_front_door` starts extra ones with other settings; `openai_client`/`async_openai_client` talk to it.
 """
 
@@ -63,7 +63,7 @@ def stages_server(tmp_path_factory) -> TritonServer:
 @pytest.fixture(scope="session")
 def front_door(triton_server):
     """The OpenAI front door every test shares (no API key, default limits), on the session's server."""
-    from front_door import FrontDoorThread, front_door_config
+    from helpers.front_door import FrontDoorThread, front_door_config
 
     door = FrontDoorThread(front_door_config(triton_server)).start()
     yield door
@@ -74,7 +74,7 @@ def front_door(triton_server):
 def make_front_door(triton_server):
     """Start extra front doors with other settings (API key, limits) on the session's server; stopped after
     the test."""
-    from front_door import FrontDoorThread, front_door_config
+    from helpers.front_door import FrontDoorThread, front_door_config
 
     started = []
 
@@ -115,7 +115,7 @@ def followed_by_a_normal_request(front_door):
     """After the test: a normal greedy chat request through the session front door gets 200 and exactly the
     model's answer (a test that leaves the server broken fails even if its own checks passed)."""
     yield
-    from frontdoor_http import post
+    from helpers.frontdoor_http import post
 
     status, _, body = post(front_door.url + "/v1/chat/completions", NORMAL_REQUEST, timeout=120)
     assert status == 200, f"the normal request after this test failed: {status} {body}"

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from image_http import MODEL, model_stats, post_json
+from helpers.image_http import MODEL, model_stats, post_json
 
 pytestmark = pytest.mark.server
 

@@ -9,7 +9,7 @@ import io
 
 import numpy as np
 import torch
-from media_inputs import audio_bytes, audio_part, image_bytes, image_part
+from helpers.media_inputs import audio_bytes, audio_part, image_bytes, image_part
 
 KIND = {"idefics3": "image", "llava": "image", "qwen2_audio": "audio"}
 QUESTION = "What is this?"

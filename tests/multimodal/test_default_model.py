@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from media_inputs import audio_bytes, audio_part, image_bytes, image_part
+from helpers.media_inputs import audio_bytes, audio_part, image_bytes, image_part
 from safetensors import safe_open
 
 from omni_backend import checkpoints, paths

@@ -134,7 +134,7 @@ def test_processors_get_the_one_decoded_image_and_the_audio_checks(folders):
     """A checkpoint's processor reads what omni_backend/stages/media.py decoded, never the raw bytes: a picture
     whose transparent pixels store black gives the pixel values of its twin flattened on white (issue 25, c31),
     and a clip with a NaN is refused naming its part (c33)."""
-    from media_inputs import audio_bytes, audio_part, image_bytes, image_part
+    from helpers.media_inputs import audio_bytes, audio_part, image_bytes, image_part
     from skimage import data
 
     picture = np.ascontiguousarray(data.coffee()[:64, :96])

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import requests
-from chat_client import stream_infer
+from helpers.chat_client import stream_infer
 from hf_reference import messages, transformers_greedy, transformers_inputs, transformers_model
 
 from omni_backend import repository

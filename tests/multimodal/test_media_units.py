@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from media_inputs import audio_bytes, audio_part, image_bytes, image_part, speech
+from helpers.media_inputs import audio_bytes, audio_part, image_bytes, image_part, speech
 
 from omni_backend import paths
 from omni_backend.stages import media

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, chat_answer, image_bytes,
+from helpers.media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, chat_answer, image_bytes,
                           image_part, speech, text_only_prompt_tokens)
 
 from omni_backend.stages.audio import HOP_LENGTH, tokens_for_frames
@@ -87,7 +87,7 @@ def test_omni_chat_mm_ensemble_equals_the_front_door_and_passes_text_through(mm_
     and omni_chat's answer for text only (no encoder call: the encoders' inference counts do not move)."""
     import json
 
-    from chat_client import stream_infer
+    from helpers.chat_client import stream_infer
 
     part = image_part(image_bytes("JPEG"), "image/jpeg")
     text, prompt_tokens = chat_answer(assert_ok(*chat(mm_front_door, part, max_tokens=12)))

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-import docker_image
+from helpers import docker_image
 import yaml
 
 from omni_backend import paths, repository

@@ -6,7 +6,7 @@ import logging
 import time
 
 import pytest
-from list_sink import ListSink
+from helpers.list_sink import ListSink
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine

@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from chat_client import chat_messages, http_generate, stream_infer
+from helpers.chat_client import chat_messages, http_generate, stream_infer
 
 from omni_backend.ops.hardware import cpu_has_native_bf16
 from omni_backend.ops.metrics import admitting, parse_metrics

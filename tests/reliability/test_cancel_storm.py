@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
-from chat_client import make_inputs
-from llm_metrics import llm_metrics, wait_for
-from front_door import MODEL, FrontDoorThread, front_door_config
+from helpers.chat_client import make_inputs
+from helpers.llm_metrics import llm_metrics, wait_for
+from helpers.front_door import MODEL, FrontDoorThread, front_door_config
 
 SEED = 8
 REQUESTS = 200

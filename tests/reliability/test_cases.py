@@ -38,10 +38,10 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-from front_door import MODEL
-from frontdoor_http import get, post, sse
-from llm_metrics import llm_metrics, wait_for
-from media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, image_bytes, image_part, speech,
+from helpers.front_door import MODEL
+from helpers.frontdoor_http import get, post, sse
+from helpers.llm_metrics import llm_metrics, wait_for
+from helpers.media_inputs import (assert_400, assert_ok, audio_bytes, audio_part, chat, image_bytes, image_part, speech,
                           text_only_prompt_tokens)
 
 
@@ -434,7 +434,7 @@ def test_c20_http_infer_on_a_decoupled_model(api, front_door, model):
 
 
 def test_c20_generate_returns_only_generated_text(api, triton_server):
-    from chat_client import stream_infer
+    from helpers.chat_client import stream_infer
 
     prompt = "The capital of France is"
     status, _, answer = api("/v2/models/omni_chat/generate", {"text_input": prompt, "max_tokens": 8,

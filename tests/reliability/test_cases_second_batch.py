@@ -25,9 +25,9 @@ import zlib
 import numpy as np
 import pytest
 import requests
-from front_door import MODEL
-from frontdoor_http import post, sse
-from media_inputs import assert_ok, audio_bytes, chat, image_bytes
+from helpers.front_door import MODEL
+from helpers.frontdoor_http import post, sse
+from helpers.media_inputs import assert_ok, audio_bytes, chat, image_bytes
 
 from omni_backend.operator_key import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
 

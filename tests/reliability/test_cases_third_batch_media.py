@@ -21,7 +21,7 @@ import json
 import numpy as np
 import pytest
 import requests
-from media_inputs import assert_400, assert_ok, audio_bytes, audio_part, chat, chat_answer, image_bytes, image_part
+from helpers.media_inputs import assert_400, assert_ok, audio_bytes, audio_part, chat, chat_answer, image_bytes, image_part
 
 from omni_backend.ops.metrics import parse_metrics
 
@@ -93,7 +93,7 @@ def test_c32_exif_orientation_is_applied_before_resizing(front_door, triton_serv
 def test_c33_non_finite_audio_is_400_naming_the_part(front_door, triton_server):
     """A float WAV with one NaN and one +Inf sample is refused before any feature is made, by the front door and
     by the omni_chat_mm ensemble; the same clip without them is answered."""
-    from chat_client import stream_infer
+    from helpers.chat_client import stream_infer
 
     clip = (0.3 * np.sin(np.arange(16000) * 2 * np.pi * 440 / 16000)).astype(np.float32)
     bad = clip.copy()

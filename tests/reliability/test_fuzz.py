@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import pytest
 import requests
-from front_door import MODEL
+from helpers.front_door import MODEL
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 

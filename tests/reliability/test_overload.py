@@ -20,8 +20,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from front_door import MODEL, FrontDoorThread, front_door_config
-from llm_stream import LLMStream, llm_inputs
+from helpers.front_door import MODEL, FrontDoorThread, front_door_config
+from helpers.llm_stream import LLMStream, llm_inputs
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2

@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as grpcclient
-from chat_client import make_inputs
-from front_door import MODEL, FrontDoorThread, front_door_config
-from llm_stream import LLMStream, llm_inputs
+from helpers.chat_client import make_inputs
+from helpers.front_door import MODEL, FrontDoorThread, front_door_config
+from helpers.llm_stream import LLMStream, llm_inputs
 from tritonclient.utils import InferenceServerException
 
 from omni_backend.launch.front_door import FrontDoorProcess

@@ -32,7 +32,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
-from front_door import MODEL, FrontDoorThread, front_door_config
+from helpers.front_door import MODEL, FrontDoorThread, front_door_config
 
 from omni_backend.ops.metrics import HEARTBEAT, STALE_AFTER_S, parse_metrics
 from omni_backend.ops.ready import check, check_live

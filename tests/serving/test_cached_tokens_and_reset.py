@@ -15,10 +15,10 @@ import uuid
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from chat_client import stream_inputs
-from front_door import MODEL
-from frontdoor_http import post, sse
-from llm_stream import llm_inputs
+from helpers.chat_client import stream_inputs
+from helpers.front_door import MODEL
+from helpers.frontdoor_http import post, sse
+from helpers.llm_stream import llm_inputs
 
 from omni_backend.operator_key import ADMIN_KEY_HEADER
 

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 import tritonclient.grpc as grpcclient
-from chat_client import chat_messages, make_inputs, stream_infer
-from front_door import MODEL
-from frontdoor_http import sse
+from helpers.chat_client import chat_messages, make_inputs, stream_infer
+from helpers.front_door import MODEL
+from helpers.frontdoor_http import sse
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 

@@ -7,8 +7,8 @@ import time
 
 import aiohttp
 import pytest
-from front_door import MODEL
-from frontdoor_http import get, post
+from helpers.front_door import MODEL
+from helpers.frontdoor_http import get, post
 
 from omni_backend.launch.ports import free_ports
 

@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 from asr import transcribe, word_recall
-from chat_client import chat_messages, make_inputs, stream_infer
-from http_calls import MODEL, post, post_json, sse_timed
+from helpers.chat_client import chat_messages, make_inputs, stream_infer
+from helpers.http_calls import MODEL, post, post_json, sse_timed
 
 from omni_backend.stages import tts_audio
 

@@ -7,7 +7,7 @@ import queue
 import time
 
 import tritonclient.grpc as grpcclient
-from chat_client import chat_messages, make_inputs
+from helpers.chat_client import chat_messages, make_inputs
 
 
 def llm_inputs(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -> list:

@@ -1,5 +1,5 @@
 """What docker/Dockerfile builds on, read from the file, and what NVIDIA documents about its base image (no Docker
-engine here: tests/ops/test_deployment_files.py and tests/test_gpu_resolve.py check the Dockerfile against this)."""
+engine here: tests/ops/test_deployment_files.py and tests/ops/test_gpu_resolve.py check the Dockerfile against this)."""
 
 from __future__ import annotations
 

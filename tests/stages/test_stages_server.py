@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from chat_client import chat_messages, make_inputs
+from helpers.chat_client import chat_messages, make_inputs
 from test_bad_input import BAD_INPUTS
 
 pytestmark = pytest.mark.server

@@ -4,7 +4,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from chat_client import chat_messages, http_generate, stream_infer
+from helpers.chat_client import chat_messages, http_generate, stream_infer
 
 pytestmark = pytest.mark.server
 

@@ -4,7 +4,7 @@ Each resolve is `pip install --dry-run --report` of torch_flavor's lines plus re
 manylinux x86_64 up to the target's glibc and the target's CPython version, from https://pypi.org/simple with pip's
 configuration ignored (so this machine's local CPU torch wheel and extra indexes are not seen). Targets: a GPU machine
 like this one (this Python and glibc, flavour cu130: PyPI's CUDA 13.0 torch) and the Docker image (its base's Python
-and glibc, tests/docker_image.py, and the Dockerfile's flavour).
+and glibc, tests/helpers/docker_image.py, and the Dockerfile's flavour).
 
 `--use-feature=fast-deps`: this workplace's index pages do not advertise PEP 658 metadata (the .metadata files
 exist but the links lack the attribute), so plain pip downloads every wheel, about 3 GB with torch's CUDA
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import docker_image
+from helpers import docker_image
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

@@ -1,7 +1,7 @@
 """Every bad input gets INVALID_ARG naming the problem, and the server keeps serving."""
 
 import pytest
-from chat_client import chat_messages, http_generate, stream_infer
+from helpers.chat_client import chat_messages, http_generate, stream_infer
 
 from omni_backend.vocabulary import ErrorKind, StageError
 

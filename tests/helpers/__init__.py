@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: clients, servers, inputs and fakes (no tests here)."""

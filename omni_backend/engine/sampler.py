@@ -14,15 +14,15 @@ Semantics (those of the sampler before issue #14, kept in tests/engine/sampler_r
 row ranks the vocabulary by descending scaled logit x / T, masks ranks >= top_k, softmaxes, drops every rank
 whose preceding mass reaches top_p (rank 0 always stays) and every rank with p < min_p * p_max, and takes the
 rank that wins the race argmax(p_r / E_r), E_r being the r-th of V exponentials drawn from the row's generator:
-a seeded row's generator advances by V draws per step, so its stream is the old one (see _SeededNoise for how the CPU avoids
-drawing all V). Unseeded rows (the device's default generator) only need the same distribution.
+a seeded row's generator advances by V draws per step, so its stream is the old one (see _SeededNoise for how the
+CPU avoids drawing all V). Unseeded rows (the device's default generator) only need the same distribution.
 
 How it avoids sorting the vocabulary (issue #14). Everything runs with torch ops on the logits' device; the
 host receives the token ids, the rows still to redo and the requested logprobs in one transfer, and more only
 when a row must be redone.
 - The kept ranks form a prefix of the ranking (the top-k, top-p and min-p drops are monotone in rank), so a
   row is finished from its K best tokens when top_k <= K or when its rank K - 1 is dropped. The K best come
-  from an exact two-stage top-k (_top_candidates); their values are the first K of the sorted values. K starts
+  from an exact two-stage top-k (top_candidates); their values are the first K of the sorted values. K starts
   at max(64, the batch's largest top_k below V / 4); the other rows are redone with 16 times more candidates
   (a top-p row at least as many as the mass of its K implies), then with the reference's full sort once K
   would reach V / 4.
@@ -53,12 +53,13 @@ distribution as the reference (not the same stream).
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass
 
 import torch
 
+from omni_backend.engine.penalties import apply_penalties
+from omni_backend.engine.sampling_ops import (argmax, exp_sums, put_rows, row_blocks, take_rows, to_device, to_host,
+                                               top_candidates)
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import Sequence
 
@@ -68,10 +69,6 @@ real SmolLM2 next-token distributions keep more than 64 tokens (scripts/bench_sa
 GROWTH = 16
 """A row whose kept set goes past its K candidates is redone with GROWTH * K candidates or more, and with the
 full sort once that would reach V / 4 (a topk that large costs about as much as sorting)."""
-CPU_BLOCK_ELEMENTS = 1 << 19
-"""On the CPU a pass over whole vocabularies goes over blocks of rows of about this many float32 (2 MiB, a core's
-L2 here) in one buffer allocated per pass: the normalizer of [64, 128256] took 3-4 ms that way against 13.6 ms
-for the batch at once, and a fresh buffer per block cost as much again."""
 
 
 @dataclass
@@ -105,21 +102,21 @@ class Sampler:
         token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
         greedy = [row for row, p in enumerate(params) if p.greedy]
         if greedy:
-            _put(token_ids, greedy, _argmax(_rows(penalized, greedy)))
+            put_rows(token_ids, greedy, argmax(take_rows(penalized, greedy)))
         sampled = [row for row, p in enumerate(params) if not p.greedy]
         status = torch.empty(0, dtype=torch.int64, device=logits.device)
         if sampled:
-            draw = _Draw(_rows(penalized, sampled), [seqs[row] for row in sampled])
+            draw = _Draw(take_rows(penalized, sampled), [seqs[row] for row in sampled])
             tokens, status = draw.first_pass()
-            _put(token_ids, sampled, tokens)
+            put_rows(token_ids, sampled, tokens)
         logprobs = _Logprobs(logits, params)
 
-        ids, status, chosen, top_values, top_ids = _to_host(token_ids, status, logprobs.chosen(token_ids),
+        ids, status, chosen, top_values, top_ids = to_host(token_ids, status, logprobs.chosen(token_ids),
                                                             logprobs.top_values, logprobs.top_ids)
         if any(status):
             rows, tokens = draw.finish(status)
-            _put(token_ids, [sampled[i] for i in rows], tokens)
-            ids, chosen = _to_host(token_ids, logprobs.chosen(token_ids))
+            put_rows(token_ids, [sampled[i] for i in rows], tokens)
+            ids, chosen = to_host(token_ids, logprobs.chosen(token_ids))
         return SampleResult([int(t) for t in ids], logprobs.per_row(chosen, top_values, top_ids))
 
 
@@ -143,18 +140,18 @@ class _Logprobs:
         self.top_values = self.top_ids = torch.empty(0, device=logits.device)
         if not self.rows:
             return
-        self.logits = _rows(logits, self.rows)
+        self.logits = take_rows(logits, self.rows)
         self.max = self.logits.amax(dim=-1, keepdim=True)
-        self.log_sum = _exp_sums(self.logits, self.max).log_().unsqueeze(1)
+        self.log_sum = exp_sums(self.logits, self.max).log_().unsqueeze(1)
         if self.top_n:
-            values, self.top_ids = _top_candidates(self.logits, self.top_n)
+            values, self.top_ids = top_candidates(self.logits, self.top_n)
             self.top_values = (values - self.max) - self.log_sum
 
     def chosen(self, token_ids: torch.Tensor) -> torch.Tensor:
         """float32 [w, 1]: each wanting row's logprob of its token (token_ids: int64 [B] on the device)."""
         if not self.rows:
             return torch.empty(0, device=token_ids.device)
-        return (self.logits.gather(1, _rows(token_ids, self.rows).unsqueeze(1)) - self.max) - self.log_sum
+        return (self.logits.gather(1, take_rows(token_ids, self.rows).unsqueeze(1)) - self.max) - self.log_sum
 
     def per_row(self, chosen: list[float], top_values: list[float], top_ids: list[float]) -> list:
         """SampleResult.logprobs from the fetched values: None, or (chosen, [(id, logprob)] of its top-n)."""
@@ -164,62 +161,6 @@ class _Logprobs:
             out[row] = (chosen[i], [(int(t), v) for t, v in zip(top_ids[first:first + n],
                                                                  top_values[first:first + n])])
         return out
-
-
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition, presence and frequency penalties, vectorized over the rows that ask for them.
-
-    Args:
-        logits: float32 [B, V] on any device; row i belongs to seqs[i]. Not modified.
-        seqs: the B sequences (their params and tokens).
-    Returns:
-        `logits` itself when no row asks, else a penalized copy [B, V]: with a repetition penalty r != 1 each
-        distinct token of the prompt and output becomes x / r if x > 0 else x * r (CTRL); then, with a presence
-        or frequency penalty, each distinct generated token becomes x - (frequency * count + presence), count =
-        its occurrences in the output (OpenAI). The float32 operations are the pre-#14 sampler's, so the result
-        is the same bit for bit.
-    """
-    vocab = logits.shape[1]
-    repeated = [row for row, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
-    counted = [row for row, s in enumerate(seqs)
-               if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens]
-    if not repeated and not counted:
-        return logits
-    logits = logits.clone(memory_format=torch.contiguous_format)
-    flat = logits.view(-1)
-    if repeated:
-        positions, owner, _ = _token_positions([seqs[row].token_ids for row in repeated], repeated, vocab,
-                                               logits.device)
-        penalty = _to_device([seqs[row].params.repetition_penalty for row in repeated], torch.float32,
-                             logits.device)[owner]
-        values = flat[positions]
-        flat[positions] = torch.where(values > 0, values / penalty, values * penalty)
-    if counted:
-        positions, owner, count = _token_positions([seqs[row].output_token_ids for row in counted], counted,
-                                                   vocab, logits.device)
-        weights = _to_device([[seqs[row].params.frequency_penalty, seqs[row].params.presence_penalty]
-                              for row in counted], torch.float32, logits.device)[owner]
-        flat[positions] = flat[positions] - (weights[:, 0] * count.to(torch.float32) + weights[:, 1])
-    return logits
-
-
-def _token_positions(token_lists: list[list[int]], rows: list[int], vocab: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Distinct (row, token) pairs of the given token lists, built on the host and sent in one copy.
-
-    Returns:
-        positions: int64 [n], row * vocab + token into the flattened [B, V] logits (rows[i] for token_lists[i]);
-        owner: int64 [n], the index i of the list each position comes from;
-        count: int64 [n], occurrences of the token in its list.
-    """
-    lengths = torch.tensor([len(tokens) for tokens in token_lists])
-    owner = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    keys = owner * vocab + torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
-    keys, count = torch.unique(keys, return_counts=True)
-    owner = keys // vocab
-    positions = torch.tensor(rows)[owner] * vocab + keys % vocab
-    moved = _to_device(torch.stack([positions, owner, count]), torch.int64, device)
-    return moved[0], moved[1], moved[2]
 
 
 class _Draw:
@@ -239,7 +180,7 @@ class _Draw:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         # top-p without top-k: the only rows whose prefix probabilities need the whole vocabulary's mass
         self.needs_mass = [k == vocab and p.top_p < 1.0 for p, k in zip(params, top_k)]
-        self.settings = _to_device([[p.temperature, k, p.top_p, p.min_p, p.seed is not None]
+        self.settings = to_device([[p.temperature, k, p.top_p, p.min_p, p.seed is not None]
                                     for p, k in zip(params, top_k)], torch.float32, self.device)
         self.k = self._capped(max([FIRST_CANDIDATES] + [k for k in top_k if k < vocab // 4]))
         truncated = [k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p, k in zip(params, top_k)]
@@ -283,11 +224,11 @@ class _Draw:
         tokens = torch.empty(n, dtype=torch.int64, device=self.device)
         status = torch.zeros(n, dtype=torch.int64, device=self.device)
         if self.in_token_order:
-            _put(tokens, self.in_token_order, self._draw_in_token_order(self.in_token_order))
+            put_rows(tokens, self.in_token_order, self._draw_in_token_order(self.in_token_order))
         for level, rows in self.first_levels.items():
             level_tokens, level_status = self._pass(rows, level)
-            _put(tokens, rows, level_tokens)
-            _put(status, rows, level_status)
+            put_rows(tokens, rows, level_tokens)
+            put_rows(status, rows, level_status)
         return tokens, status
 
     def finish(self, status: list[float]) -> tuple[list[int], torch.Tensor]:
@@ -307,9 +248,9 @@ class _Draw:
         while pending:
             k, rows = pending.popitem()
             level_tokens, level_status = self._pass(rows, k)
-            _put(tokens, [slot[i] for i in rows], level_tokens)
+            put_rows(tokens, [slot[i] for i in rows], level_tokens)
             if k < self.vocab:
-                for i, s in zip(rows, _to_host(level_status)[0]):
+                for i, s in zip(rows, to_host(level_status)[0]):
                     if s:
                         pending.setdefault(self._level(int(s)), []).append(i)
         return redone, tokens
@@ -322,11 +263,11 @@ class _Draw:
         Returns:
             tokens int64 [m] and status int64 [m] for rows[0..m), as in first_pass (all done when k == V).
         """
-        x = _rows(self.logits, rows)
-        settings = _rows(self.settings, rows)
+        x = take_rows(self.logits, rows)
+        settings = take_rows(self.settings, rows)
         temperature, top_k, top_p, min_p, seeded = (settings[:, c:c + 1] for c in range(5))
         if k < self.vocab:
-            values, ids = _top_candidates(x, k)
+            values, ids = top_candidates(x, k)
             scaled = values / temperature  # = the first k of the sorted x / T: division by T > 0 keeps order
         else:
             scaled, ids = (x / temperature).sort(dim=-1, descending=True)
@@ -334,9 +275,9 @@ class _Draw:
         probs = scaled.masked_fill(ranks >= top_k, float("-inf")).softmax(dim=-1)
         whole = [j for j, i in enumerate(rows) if self.needs_mass[i]] if k < self.vocab else []
         if whole:
-            top = _rows(scaled, whole)[:, :1]
-            mass = _exp_sums(_rows(x, whole), top, _rows(temperature, whole))
-            _put(probs, whole, torch.exp(_rows(scaled, whole) - top) / mass.unsqueeze(1))
+            top = take_rows(scaled, whole)[:, :1]
+            mass = exp_sums(take_rows(x, whole), top, take_rows(temperature, whole))
+            put_rows(probs, whole, torch.exp(take_rows(scaled, whole) - top) / mass.unsqueeze(1))
         # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays); min-p
         mass_before = probs.cumsum(dim=-1) - probs
         drop = (mass_before >= top_p) | (probs < min_p * probs[:, :1])
@@ -350,7 +291,7 @@ class _Draw:
             choice = torch.searchsorted(cdf, u, right=True)
         if with_seed:
             race = kept / self._noise(rows, k)
-            won = _argmax(race).unsqueeze(1)
+            won = argmax(race).unsqueeze(1)
             choice = won if len(with_seed) == len(rows) else torch.where(seeded > 0, won, choice)
         tokens = ids.gather(1, choice).squeeze(1)
         if k == self.vocab:
@@ -392,7 +333,7 @@ class _Draw:
             return own
         noise = torch.ones(len(rows), k, device=self.device)
         if seeded:
-            _put(noise, [j for j, _ in seeded], own)
+            put_rows(noise, [j for j, _ in seeded], own)
         return noise
 
     def _draw_in_token_order(self, rows: list[int]) -> torch.Tensor:
@@ -401,10 +342,10 @@ class _Draw:
 
         Returns int64 [m] token ids.
         """
-        x = _rows(self.logits, rows)
-        temperature = _rows(self.settings, rows)[:, :1]
+        x = take_rows(self.logits, rows)
+        temperature = take_rows(self.settings, rows)[:, :1]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        for block, cdf in _blocks(x):
+        for block, cdf in row_blocks(x):
             torch.div(x[block], temperature[block], out=cdf)
             cdf.sub_(cdf.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # unnormalized
             u = torch.rand(cdf.shape[0], 1, device=self.device) * cdf[:, -1:]  # < cdf[-1], as in _pass
@@ -450,120 +391,3 @@ class _SeededNoise:
                 again.set_state(self.states[j])
                 self.drawn[j] = torch.empty(k).exponential_(generator=again)
         return torch.stack([self.drawn[j][:k] for j in rows])
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1), the first index of each row's maximum, by blocks of `width` tokens: the first block
-    whose maximum is the row's, then the first index of the maximum inside it. Vectorized maxima instead of
-    argmax's index-tracking loop (CPU, [64, 128256]: 0.84 against 7.0 ms; [64, 49152]: 0.39 against 2.7 ms).
-
-    Args:
-        x: float32 [m, V], contiguous.
-    Returns:
-        int64 [m]. A row holding a NaN gets 0 (argmax would give its first NaN).
-    """
-    rows, vocab = x.shape
-    width = 128
-    while vocab % width:
-        width //= 2
-    if width < 32:
-        return x.argmax(dim=-1)
-    blocks = x.view(rows, vocab // width, width)
-    block_max = blocks.amax(dim=2)
-    best = block_max.amax(dim=1, keepdim=True)
-    first = (block_max == best).to(torch.uint8).argmax(dim=1)
-    inside = (blocks[torch.arange(rows, device=x.device), first] == best).to(torch.uint8).argmax(dim=1)
-    return first * width + inside
-
-
-def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row, in descending order.
-
-    Args:
-        x: float32 [m, V], contiguous; k <= V.
-    Returns:
-        (values float32 [m, k], token ids int64 [m, k]): the values are torch.topk's; among equal values the ids
-        may come in another order.
-
-    Two stages when V is large against k: view each row as `width` blocks of C = V / width tokens, take the
-    maximum over the blocks for every group {g, g + C, g + 2C, ...}, keep the k groups with the largest maxima
-    and take the top k of their k * width entries. Exact: an entry outside the kept groups is <= its group's
-    maximum <= the k-th largest kept maximum, and the k kept maxima are k distinct kept entries. It reads the
-    row once with a vectorized max and runs torch.topk's selection over V / width + k * width entries instead
-    of V. width = the power of two at most sqrt(V / k) / 2 (measured best on one CPU thread: [64, 49152], k 64:
-    width 8, 2.7 ms against 6.4 ms for torch.topk; [64, 128256]: width 16, 3.4 against 13.8 ms).
-    """
-    rows, vocab = x.shape
-    width = 1 << max(0, int(math.log2(math.sqrt(vocab / k) / 2)))
-    while vocab % width:
-        width //= 2
-    if width < 4:
-        return x.topk(k, dim=-1)
-    groups = vocab // width
-    best = x.view(rows, width, groups).amax(dim=1).topk(k, dim=-1).indices
-    candidates = (best.unsqueeze(2) + groups * torch.arange(width, device=x.device)).view(rows, k * width)
-    values, picked = x.gather(1, candidates).topk(k, dim=-1)
-    return values, candidates.gather(1, picked)
-
-
-def _exp_sums(x: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """Per row sum over the vocabulary of exp(x / T - top) (exp(x - top) without a temperature): the softmax
-    denominator relative to `top`, the row's largest (scaled) logit.
-
-    Args:
-        x: float32 [m, V]; top, temperature: float32 [m, 1].
-    Returns:
-        float32 [m].
-    """
-    out = torch.empty(x.shape[0], device=x.device)
-    for block, scratch in _blocks(x):
-        if temperature is None:
-            torch.sub(x[block], top[block], out=scratch)
-        else:
-            torch.div(x[block], temperature[block], out=scratch).sub_(top[block])
-        torch.sum(scratch.exp_(), dim=-1, out=out[block])
-    return out
-
-
-def _blocks(x: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
-    """Row blocks of x [m, V] for a pass over whole vocabularies, each with a float32 scratch [rows, V]: one
-    block on CUDA; on the CPU blocks of about CPU_BLOCK_ELEMENTS sharing one scratch buffer."""
-    rows, vocab = x.shape
-    size = rows if x.device.type == "cuda" else max(1, min(rows, CPU_BLOCK_ELEMENTS // vocab))
-    scratch = torch.empty(size, vocab, device=x.device)
-    return [(slice(start, start + size), scratch[:min(size, rows - start)]) for start in range(0, rows, size)]
-
-
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows] along dim 0; t itself when rows are all of its rows in order."""
-    if rows == list(range(t.shape[0])):
-        return t
-    return t.index_select(0, _to_device(rows, torch.int64, t.device))
-
-
-def _put(t: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    """t[rows] = values along dim 0."""
-    if rows == list(range(t.shape[0])):
-        t.copy_(values)
-    else:
-        t.index_copy_(0, _to_device(rows, torch.int64, t.device), values)
-
-
-def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` (nested lists or a CPU tensor) as a tensor on `device`; to CUDA through pinned memory, so the
-    copy is queued behind the stream's work instead of waiting for it."""
-    t = torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _to_host(*tensors: torch.Tensor) -> list[list[float]]:
-    """The tensors' values as flat Python lists, in one device-to-host copy (packed as float64: exact for
-    float32 values and for integers below 2**53)."""
-    flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
-    out, start = [], 0
-    for t in tensors:
-        out.append(flat[start:start + t.numel()])
-        start += t.numel()
-    return out

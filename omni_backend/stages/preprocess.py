@@ -5,7 +5,7 @@ Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_
     text_input          STRING  plain text prompt, tokenized as text (control-token strings such as
                                 "<|im_end|>" are their text pieces, unless the operator setting
                                 `completions_allow_special_tokens` lets them be tokens), or an OpenAI-style
-                                messages JSON array (see `parse_chat`) to which the chat template is applied;
+                                messages JSON array (see `chat_messages.parse_chat`) to which the chat template is applied;
                                 the messages' strings are always text: only the template writes control
                                 tokens (`chat_template.ChatTemplate`)
     prompt_token_ids    INT32   a prompt given as token ids (the OpenAI front door's completions with
@@ -27,7 +27,7 @@ door echoes it; the ensemble does not use it).
 
 Image and audio content parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`,
 `{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`) are decoded here
-(`omni_backend.stages.media`) when the stage has encoders configured (`MediaConfig`); each becomes a run of the
+(`omni_backend.stages.media`) when the stage has encoders configured (`preprocess_media.MediaConfig`); each becomes a run of the
 encoder's placeholder token in the prompt, and four more outputs appear (with zero items for a request without
 media, when encoders are configured):
 `pixel_values` FP32 [n_items, 3, S, S], `input_features` FP32 [n_audio, mel bins, frames], `media_parts`
@@ -48,7 +48,6 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -56,95 +55,16 @@ from omni_backend import tensor_names as T
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
 from omni_backend.settings import SettingGroup, parse_field, setting
+from omni_backend.stages.chat_messages import check_template_flags, parse_chat
 from omni_backend.stages.chat_template import ChatTemplate
+from omni_backend.stages.preprocess_media import ENCODER_INPUTS, MediaConfig, empty_media_outputs, media_outputs
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
 
 TEMPLATE_FLAGS = {T.ADD_GENERATION_PROMPT: True, T.CONTINUE_FINAL_MESSAGE: False}  # BOOL inputs -> their defaults
 INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, *TEMPLATE_FLAGS)
 OUTPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.PROMPT_TEXT)
-MEDIA_OUTPUT_NAMES = (T.PIXEL_VALUES, T.INPUT_FEATURES, T.MEDIA_PARTS, T.MEDIA_POSITIONS)
-MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio"}
-ENCODER_INPUTS = {"image": T.PIXEL_VALUES, "audio": T.INPUT_FEATURES}  # the media output holding each kind's items
 _PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
-
-
-def parse_messages(text: str) -> list[dict]:
-    """Parse an OpenAI-style messages JSON array of text content into `[{"role": str, "content": str}, ...]`
-    (see `parse_chat`)."""
-    return parse_chat(text)[0]
-
-
-def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
-               as_text: Callable[[str], str] = str) -> tuple[list[dict], list[dict]]:
-    """Parse an OpenAI-style messages JSON array into `[{"role": str, "content": str}, ...]` and its media parts.
-
-    `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
-    `marker` is given, `image_url` / `input_audio` parts, each written into the content as `marker` and returned
-    (in order) as `{"kind": "image"|"audio", "part": <the part>, "slot": <its entry in the kept parts>, "field":
-    "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of parts transformers'
-    multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of
-    each media part. Every string the client wrote (roles, contents, text parts) goes through `as_text`
-    (`ChatTemplate.mark`, so that its control-token strings stay text).
-
-    Raises:
-        FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
-            offending message or part, e.g. `text_input[0].content`).
-    """
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FieldError(T.TEXT_INPUT, f"starts with '[' but is not a valid messages JSON array: {exc.msg} "
-                         f"(line {exc.lineno}, column {exc.colno})") from None
-    if not isinstance(value, list) or not value:
-        raise FieldError(T.TEXT_INPUT, "messages must be a non-empty JSON array of {role, content} objects")
-    messages, media = [], []
-    for index, message in enumerate(value):
-        where = f"text_input[{index}]"
-        if not isinstance(message, dict):
-            raise FieldError(where, "must be an object with 'role' and 'content'")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not role:
-            raise FieldError(f"{where}.role", "must be a non-empty string")
-        role = as_text(role)
-        if isinstance(content, list):
-            texts, parts = [], []
-            for part_index, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if marker is not None and kind in MEDIA_PART_TYPES:
-                    parts.append({"type": MEDIA_PART_TYPES[kind]})
-                    media.append({"kind": MEDIA_PART_TYPES[kind], "part": part, "slot": parts[-1],
-                                  "field": f"{where}.content[{part_index}]"})
-                    texts.append(marker)
-                    continue
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
-                                     + ("" if marker is None else " or an image_url / input_audio part"))
-                texts.append(as_text(part["text"]))
-                parts.append({"type": "text", "text": texts[-1]})
-            content = parts if keep_parts else "\n".join(texts)
-        elif not isinstance(content, str):
-            raise FieldError(f"{where}.content", "must be a string or a list of text parts")
-        elif keep_parts:
-            content = [{"type": "text", "text": as_text(content)}]
-        else:
-            content = as_text(content)
-        messages.append({"role": role, "content": content})
-    return messages, media
-
-
-def check_template_flags(messages: list[dict], add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """The chat template flags against each other and the messages (vLLM's rules for its chat fields).
-
-    Raises:
-        FieldError: both flags true, or `continue_final_message` with a last message that is not an assistant's.
-    """
-    if continue_final_message and add_generation_prompt:
-        raise FieldError(T.CONTINUE_FINAL_MESSAGE, "cannot be true together with add_generation_prompt: continuing "
-                         "the last message asks for no new assistant turn (set add_generation_prompt to false)")
-    if continue_final_message and messages[-1]["role"] != "assistant":
-        raise FieldError(T.CONTINUE_FINAL_MESSAGE, f"needs the last message to be the assistant's message to "
-                         f"continue, got role '{messages[-1]['role']}'")
 
 
 @dataclass
@@ -155,48 +75,6 @@ class PreprocessSettings(SettingGroup):
         False, "true: control-token strings (<|im_end|>, ...) in a plain-text prompt (completions' prompt, a "
         "text_input that is no messages array) become those tokens; false: they are text. Chat messages are always "
         "text (docs/api.md)")
-
-
-class MediaConfig:
-    """The encoders the preprocess stage prepares inputs for, and the media limits.
-
-    Args:
-        specs: kind ("image"/"audio") -> `MediaSpec` of its project encoder; a kind without one answers 400.
-        limits: `omni_backend.stages.media.MediaLimits`.
-        prompt: the `hf_prompt.ProcessorPrompt` of a multimodal LLM checkpoint, which then renders every chat and
-            reads its own kind of media; `specs` then holds the project encoders of the other kinds, if any.
-    """
-
-    def __init__(self, specs: dict, limits, prompt=None):
-        self.specs, self.limits, self.prompt = specs, limits, prompt
-
-    @classmethod
-    def from_parameters(cls, parameters: dict[str, str]) -> "MediaConfig":
-        """From preprocess config parameters: `llm_model_path` (a multimodal checkpoint brings its own encoder
-        and processor), `vision_model_path` / `audio_model_path` (empty: the default encoders; "none": off) and
-        the `MediaLimits` fields.
-
-        Raises:
-            ValueError: an unsupported checkpoint architecture (`omni_backend.checkpoints`).
-        """
-        from omni_backend.stages.media import MediaLimits
-        from omni_backend.stages.media_spec import SPEC_FILE, MediaSpec, media_source
-
-        from omni_backend.engine.config import EngineConfig
-
-        limits = MediaLimits.from_strings(parameters)
-        llm_model_path = parse_field(EngineConfig, "model_path", parameters.get("llm_model_path"), "llm_model_path")
-        specs, prompt = {}, None
-        for kind, key in (("image", "vision_model_path"), ("audio", "audio_model_path")):
-            configured = parameters.get(key, "")
-            source = media_source(kind, "" if configured.lower() == "none" else configured, llm_model_path)
-            if source is not None and source.architecture is not None:
-                from omni_backend.stages.hf_prompt import ProcessorPrompt
-
-                prompt = ProcessorPrompt(source.folder, source.architecture)
-            elif source is not None and configured.lower() != "none" and (source.folder / SPEC_FILE).is_file():
-                specs[kind] = MediaSpec.load(source.folder)
-        return cls(specs, limits, prompt)
 
 
 class Preprocessor:
@@ -534,34 +412,3 @@ class Preprocessor:
         if self.media is not None:  # every media output, empty or not: the omni_chat_mm ensemble waits for them
             outputs.update(empty_media_outputs(self.media.specs) | media)
         return outputs
-
-
-def empty_media_outputs(specs: dict) -> dict[str, np.ndarray]:
-    """Media outputs of a request without media (zero items, zero placeholders)."""
-    image = specs["image"].processor["image_size"] if "image" in specs else 224
-    audio = specs["audio"].processor if "audio" in specs else {"feature_size": 80, "max_frames": 3000}
-    return {
-        T.MEDIA_PARTS: string_tensor("[]"),
-        T.MEDIA_POSITIONS: np.zeros(0, dtype=np.int32),
-        T.PIXEL_VALUES: np.zeros((0, 3, image, image), dtype=np.float32),
-        T.INPUT_FEATURES: np.zeros((0, audio["feature_size"], audio["max_frames"]), dtype=np.float32),
-    }
-
-
-def media_outputs(media: list[dict], specs: dict) -> dict[str, np.ndarray]:
-    """The media output tensors (see the module docstring) of decoded media parts (a kind with no part: empty)."""
-    images = [m["array"] for m in media if m["kind"] == "image"]
-    audio = [m["array"] for m in media if m["kind"] == "audio"]
-    positions = [m["start"] + i for m in media for i in range(m["tokens"])]
-    outputs = empty_media_outputs(specs)
-    outputs |= {
-        T.MEDIA_PARTS: string_tensor(json.dumps([{"kind": m["kind"], "tokens": m["tokens"], "items": 1}
-                                                 | ({"frames": m["frames"]} if m["kind"] == "audio" else {})
-                                                 for m in media])),
-        T.MEDIA_POSITIONS: np.asarray(positions, dtype=np.int32),
-    }
-    if images:
-        outputs[T.PIXEL_VALUES] = np.stack(images).astype(np.float32)
-    if audio:
-        outputs[T.INPUT_FEATURES] = np.stack(audio).astype(np.float32)
-    return outputs

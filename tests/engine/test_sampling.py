@@ -10,6 +10,7 @@ import torch
 from sampler_reference import Sampler as ReferenceSampler
 
 from omni_backend.engine import sampler as sampler_module
+from omni_backend.engine import sampling_ops
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.detokenizer import IncrementalDetokenizer
 from omni_backend.engine.llm_engine import LLMEngine
@@ -487,7 +488,7 @@ def test_greedy_and_top_k_1_rows_take_the_argmax_of_the_penalized_logits():
 
 @pytest.mark.parametrize("vocab", [49152, 128256, 4096 + 96, 1001])
 def test_blocked_argmax_is_the_first_maximum(vocab):
-    """Greedy rows use sampler._argmax: equal to torch's argmax (the first maximal index) with ties inside and
+    """Greedy rows use sampling_ops.argmax: equal to torch's argmax (the first maximal index) with ties inside and
     across blocks, a row of equal values, and -inf entries; 1001 tokens take torch's argmax itself."""
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=gen)
@@ -497,7 +498,7 @@ def test_blocked_argmax_is_the_first_maximum(vocab):
     x[3, : vocab // 2] = float("-inf")
     expected = x.argmax(dim=-1)
     assert expected[:3].tolist() == [17, 129, 0]
-    assert torch.equal(sampler_module._argmax(x), expected)
+    assert torch.equal(sampling_ops.argmax(x), expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from omni_backend import checkpoints, paths
 from omni_backend.repository import Settings
 from omni_backend.setup.tiny_multimodal import IMAGE_TOKENS
-from omni_backend.stages.preprocess import MediaConfig, Preprocessor
+from omni_backend.stages.preprocess import Preprocessor
+from omni_backend.stages.preprocess_media import MediaConfig
 from omni_backend.stages.tensors import string_tensor
 
 SMOLLM2 = paths.models_dir() / "SmolLM2-135M-Instruct"

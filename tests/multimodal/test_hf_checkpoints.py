@@ -19,7 +19,8 @@ from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.setup.tiny_hf_multimodal import ARCHITECTURES, build
 from omni_backend.stages.media_encoder import create_stage, encoder_calls, splice_embeddings
-from omni_backend.stages.preprocess import MediaConfig, Preprocessor
+from omni_backend.stages.preprocess import Preprocessor
+from omni_backend.stages.preprocess_media import MediaConfig
 from omni_backend.stages.tensors import string_tensor
 from omni_backend.vocabulary import FieldError
 

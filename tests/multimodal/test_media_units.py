@@ -17,7 +17,8 @@ from omni_backend import paths
 from omni_backend.stages import media
 from omni_backend.stages.media import MediaLimits
 from omni_backend.stages.media_spec import MediaSpec
-from omni_backend.stages.preprocess import MediaConfig, Preprocessor
+from omni_backend.stages.preprocess import Preprocessor
+from omni_backend.stages.preprocess_media import MediaConfig
 from omni_backend.vocabulary import FieldError
 
 SMOLLM2 = paths.models_dir() / "SmolLM2-135M-Instruct"

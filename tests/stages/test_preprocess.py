@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 from omni_backend.engine.limits import ContextLengthExceeded
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.setup import smollm2
-from omni_backend.stages.preprocess import Preprocessor, parse_messages
+from omni_backend.stages.chat_messages import parse_messages
+from omni_backend.stages.preprocess import Preprocessor
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 MAX_MODEL_LEN = 2048

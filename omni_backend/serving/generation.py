@@ -161,7 +161,7 @@ class Generation:
         """
         async for choice, step in self._merged():
             if step.finish_reason == "abort":
-                raise errors.unavailable("the request was aborted by the server (shutting down or out of KV cache)")
+                raise errors.unavailable("the request was aborted by the server: it is shutting down")
             yield choice, step
 
     async def _merged(self) -> AsyncIterator[tuple[Choice, Step]]:

@@ -1,7 +1,8 @@
 // One decode-only step of the float32 Llama-family model in one call: every layer's RMSNorm, QKV projection, RoPE
 // with the K/V cache write, paged attention, output projection, RMSNorm, gate/up projection, SiLU * up and down
 // projection, then the final RMSNorm. The C ABI below is called through ctypes by kernels/cpu_decode_step.py,
-// which documents the contract; this file holds only the orchestration.
+// which documents the contract; this file holds only the orchestration. This is the layer of
+// omni_backend/engine/models/llama.py: only the architectures whose model registry row names it run it.
 //
 // It calls the same C functions, in the same order, as the per-op path of omni_backend/engine/models/llama_cpu.py
 // (kernels/linear_cpu.cpp, cpu_ops.cpp, paged_decode_cpu.cpp, each built as its own library with its own flags),

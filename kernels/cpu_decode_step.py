@@ -1,5 +1,8 @@
-"""A decode-only step of the float32 CPU model in one C++ call (``cpu_decode_step.cpp``): the CPU counterpart of a
-captured CUDA graph, built on first use (``kernels/cpu_library.py``) and called through ctypes.
+"""A decode-only step of the float32 Llama-family layer in one C++ call (``cpu_decode_step.cpp``): the CPU
+counterpart of a captured CUDA graph, built on first use (``kernels/cpu_library.py``) and called through ctypes.
+Only the architectures whose model registry row names ``CpuLlamaForward`` as their CPU step run it
+(``omni_backend/engine/models/registry.py``); its attention is the kernel the attention backend offers for it
+(``cpu_decode_kernel``, the cpu backend's).
 
 Why: a decode step of SmolLM2-135M is 30 layers x 9 kernel calls; through Python each costs its argument checks, a
 ctypes call and an output allocation, about 30 % of a batch-1 step (int8: 6 of 20 ms, measured with
@@ -112,7 +115,7 @@ class DecodeStepModel:
         check_cpu_tensor("sin", forward.sin, torch.float32, (max_positions, head_dim))
         check_cpu_tensor("final norm", forward.norm, torch.float32, (hidden,))
         intermediate = forward.layers[0].down.in_features
-        linear, ops, decode = forward.linear, forward.ops, forward.attention.decode_kernel
+        linear, ops, decode = forward.linear, forward.ops, forward.attention.cpu_decode_kernel
         keep = [forward.cos, forward.sin, forward.norm]  # what the description points at
 
         def projection(name, packed, n, k, bias=None) -> _Projection:

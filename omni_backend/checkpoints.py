@@ -1,10 +1,10 @@
-"""Which Hugging Face checkpoint folders the product serves, read from their `config.json` (no torch import).
+"""A Hugging Face checkpoint folder as the product reads it: its `config.json` (no torch import) and its row of the
+model registry (`omni_backend.engine.models.registry`).
 
-A text-only folder (`LlamaForCausalLM`, `Qwen2ForCausalLM`) is served by the llm stage alone. A multimodal
-folder (`Idefics3ForConditionalGeneration` / `SmolVLMForConditionalGeneration`, `LlavaForConditionalGeneration`,
-`Qwen2AudioForConditionalGeneration`) is served whole: its language model by the llm stage, its tower and
-connector by the image or audio encoder stage (stages/hf_encoders.py), its processor by preprocess
-(stages/hf_prompt.py), every part read from the same folder under the checkpoint's own tensor names.
+A text-only folder (`LlamaForCausalLM`, `Qwen2ForCausalLM`) is served by the llm stage alone. A multimodal folder
+(Idefics3/SmolVLM, LLaVA, Qwen2-Audio) is served whole: its language model by the llm stage, its tower and
+connector by the image or audio encoder stage, its processor by preprocess, every part read from the same folder
+under the checkpoint's own tensor names and each named by its registry row.
 
 Raises (everywhere here): ValueError naming an unsupported architecture and the supported list.
 """
@@ -12,52 +12,10 @@ Raises (everywhere here): ValueError naming an unsupported architecture and the 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-TEXT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class MultimodalArchitecture:
-    """One multimodal architecture.
-
-    Attributes:
-        name: `architectures[0]` of its config.json.
-        kind: the media it reads, "image" or "audio".
-        token_key: the config.json key holding the placeholder token id its processor expands.
-    """
-
-    name: str
-    kind: str
-    token_key: str
-
-
-MULTIMODAL_ARCHITECTURES = {a.name: a for a in (
-    MultimodalArchitecture("Idefics3ForConditionalGeneration", "image", "image_token_id"),
-    MultimodalArchitecture("SmolVLMForConditionalGeneration", "image", "image_token_id"),
-    MultimodalArchitecture("LlavaForConditionalGeneration", "image", "image_token_index"),
-    MultimodalArchitecture("Qwen2AudioForConditionalGeneration", "audio", "audio_token_index"),
-)}
-SUPPORTED = (*TEXT_ARCHITECTURES, *MULTIMODAL_ARCHITECTURES)
-
-# Where a multimodal checkpoint keeps its language model, as the Hugging Face hub checkpoints of these
-# architectures name it (transformers' save_pretrained writes the same names): Idefics3/SmolVLM under
-# `model.text_model.`, LLaVA and Qwen2-Audio under `language_model.model.` with the head at
-# `language_model.lm_head.`; newer LLaVA-family saves use `model.language_model.`. Longest prefixes first.
-_TEXT_PREFIXES = ("model.text_model.", "model.language_model.", "language_model.model.", "language_model.", "model.")
-
-
-def architecture_name(config: dict) -> str:
-    """`architectures[0]` of a config.json, checked against `SUPPORTED`.
-
-    Raises:
-        ValueError: an architecture the product does not serve (the message names it and the supported list).
-    """
-    name = (config.get("architectures") or ["(none given)"])[0]
-    if name not in SUPPORTED:
-        raise ValueError(f"unsupported architecture {name}; supported: {', '.join(SUPPORTED)}")
-    return name
+from omni_backend.engine.models import registry
+from omni_backend.engine.models.registry import HF_LANGUAGE_MODEL_PREFIXES, Architecture
 
 
 def read_config(folder: str | Path) -> dict:
@@ -69,7 +27,17 @@ def read_config(folder: str | Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
 
 
-def multimodal_architecture(folder: str | Path) -> MultimodalArchitecture | None:
+def architecture(folder: str | Path) -> Architecture:
+    """The registry row of the folder's `architectures[0]`.
+
+    Raises:
+        FileNotFoundError: the folder has no config.json.
+        ValueError: an architecture the product does not serve.
+    """
+    return registry.lookup((read_config(folder).get("architectures") or ["(none given)"])[0])
+
+
+def multimodal_architecture(folder: str | Path) -> Architecture | None:
     """The folder's multimodal architecture, or None for a text-only checkpoint (or a folder without config.json,
     such as the project's own encoder folders).
 
@@ -77,10 +45,10 @@ def multimodal_architecture(folder: str | Path) -> MultimodalArchitecture | None
         ValueError: an unsupported architecture.
     """
     try:
-        config = read_config(folder)
+        found = architecture(folder)
     except FileNotFoundError:
         return None
-    return MULTIMODAL_ARCHITECTURES.get(architecture_name(config))
+    return found if found.multimodal else None
 
 
 def text_hidden_size(folder: str | Path) -> int:
@@ -93,11 +61,12 @@ def text_hidden_size(folder: str | Path) -> int:
     return int(config.get("text_config", config)["hidden_size"])
 
 
-def text_weight_name(stored: str) -> str:
+def text_weight_name(stored: str, prefixes: tuple[str, ...] = HF_LANGUAGE_MODEL_PREFIXES) -> str:
     """A checkpoint tensor name as the language model's own name (`layers.0.self_attn.q_proj.weight`,
-    `lm_head.weight`): the first matching prefix of `_TEXT_PREFIXES` removed. Tower and connector names come
-    out unchanged apart from a leading `model.`; the language model never asks for them."""
-    for prefix in _TEXT_PREFIXES:
+    `lm_head.weight`): the first of `prefixes` it starts with removed (an architecture's `weight_prefixes`).
+    Tower and connector names come out unchanged apart from a matching prefix; the language model never asks for
+    them."""
+    for prefix in prefixes:
         if stored.startswith(prefix):
             return stored[len(prefix):]
     return stored

@@ -28,9 +28,9 @@ import torch
 
 from kernels.cpu_library import CpuKernelUnavailable
 from omni_backend import paths
-from omni_backend.engine import model_runner
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.models.llama_cpu import CpuLlamaForward
 from omni_backend.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,12 +50,12 @@ def build_engine(variant: str, threads: int) -> LLMEngine:
                           quantization="int8" if variant == "kernels-int8" else "none")
     if variant != "onednn":
         return LLMEngine(config)
-    original = model_runner.CpuLlamaForward
-    model_runner.CpuLlamaForward = _without_cpu_kernels
+    original = CpuLlamaForward.__dict__["build"]
+    CpuLlamaForward.build = _without_cpu_kernels  # the model registry's CPU step for SmolLM2 (Llama)
     try:
         return LLMEngine(config)
     finally:
-        model_runner.CpuLlamaForward = original
+        CpuLlamaForward.build = original
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int, seed: int) -> float:

@@ -4,8 +4,8 @@ every Triton tensor name and the operator's header spelt only in the vocabulary.
 Layers, lowest first (a module may import its own layer and those below, never one above):
 
     foundation   kernels/, omni_backend/paths.py, omni_backend/settings.py
-    ops          omni_backend/ops/, omni_backend/checkpoints.py
-    engine       omni_backend/engine/
+    ops          omni_backend/ops/
+    engine       omni_backend/engine/, omni_backend/checkpoints.py
     vocabulary   omni_backend/vocabulary.py, tensor_names.py, operator_key.py
     stages       omni_backend/stages/
     serving      omni_backend/serving/, launch/, setup/, repository.py
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "omni_backend"
 LAYERS = (
     ("foundation", ("kernels", "omni_backend.paths", "omni_backend.settings")),
-    ("ops", ("omni_backend.ops", "omni_backend.checkpoints")),
-    ("engine", ("omni_backend.engine",)),
+    ("ops", ("omni_backend.ops",)),
+    ("engine", ("omni_backend.engine", "omni_backend.checkpoints")),
     ("vocabulary", ("omni_backend.vocabulary", "omni_backend.tensor_names", "omni_backend.operator_key")),
     ("stages", ("omni_backend.stages",)),
     ("serving", ("omni_backend.serving", "omni_backend.launch", "omni_backend.setup", "omni_backend.repository")),

@@ -48,7 +48,7 @@ class EngineConfig(SettingGroup):
     max_num_batched_tokens: int = setting(1024, "per-step token budget (prefill chunks + decodes)", low=1)
     max_model_len: int = setting(2048, "longest prompt + completion, tokens (capped by the model's max positions)",
                                  low=1)
-    attention_backend: str = setting("auto", "auto, cpu, torch or triton (engine/attention.py)",
+    attention_backend: str = setting("auto", "auto, cpu, torch or triton (engine/attention/selector.py)",
                                      choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(False, "true: never capture CUDA graphs (decode runs eagerly)")
     cpu_threads: int = setting(0, "a CPU engine's torch threads; 0: in the llm stage the usable cores minus one "

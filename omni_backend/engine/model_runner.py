@@ -2,14 +2,18 @@
 inputs, runs the forward pass (graph replay or eager), samples.
 
 Start-up, in order (each step's reason in its method's docstring):
-1. bind the device to this thread, resolve the dtype and the attention backend; the backend's kernels run once
-   against the torch reference (`attention.self_test`), and an automatic choice falls back to torch on failure;
-2. build the model on the meta device in its final dtype and load the weights straight into device memory;
+1. bind the device to this thread, look the checkpoint's architecture up in the model registry
+   (`models/registry.py`: the model class, where its weights are, its CPU step), resolve the dtype and the
+   attention backend (`attention/selector.py`: its kernels run once against the torch reference, and an automatic
+   choice falls back to torch on failure);
+2. build the model on the meta device in its final dtype and load the weights straight into device memory; on a
+   CPU, run its projections through the C++ kernels of its registry row's CPU step, or oneDNN without one;
 3. on a GPU without an explicit KV budget, profile one prefill of `max_num_batched_tokens` tokens and one decode
    at the largest captured batch size, then size the KV cache (`memory.plan_kv_cache`);
 4. allocate the KV cache and the block-table pool;
-5. on a GPU with the triton backend, compile the kernels' shape specialisations (`_warm_up`) and capture decode
-   CUDA graphs; the torch backend synchronises with the host inside its decode path, so it runs eagerly.
+5. on a GPU, compile the attention kernels' shape specialisations where the backend compiles per shape
+   (`_warm_up`), and capture decode CUDA graphs where it is graph-safe (triton); the torch backend synchronises
+   with the host inside its decode path, so it runs eagerly.
 """
 
 from __future__ import annotations
@@ -19,27 +23,26 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from kernels.paged_decode import DecodeWorkspace, alloc_decode_workspace, default_num_splits
-from kernels.cpu_decode_step import CpuDecodeStep
 from kernels.cpu_library import CpuKernelUnavailable
-from kernels.cpu_ops import CpuOps
-from kernels.linear_cpu import CpuLinearKernels
+from kernels.paged_decode import DecodeWorkspace
 from omni_backend import checkpoints, paths
 from omni_backend.engine import cpu_linear
-from omni_backend.engine.attention import AttentionMetadata, PagedAttention, self_test
+from omni_backend.engine.attention.interface import AttentionMetadata
+from omni_backend.engine.attention.selector import select_attention
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_sizes
 from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
+from omni_backend.engine.models import registry
 from omni_backend.engine.models.llama import LlamaForCausalLM
-from omni_backend.engine.models.llama_cpu import CpuLlamaForward
+from omni_backend.engine.models.registry import Architecture
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
-from omni_backend.ops.hardware import runtime_versions, select_attention_backend, select_dtype
+from omni_backend.ops.hardware import select_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +54,13 @@ WARM_UP_SHAPES = ((1, 0), (2, 0), (16, 0), (1, 1), (4, 1))
 WARM_UP_PREFILL_TOKENS = 16  # per prefill sequence in a warm-up step
 
 
-def language_model_config(model_path: str):
+def language_model_config(architecture: Architecture, model_path: str):
     """The transformers config of the language model the engine runs: a text checkpoint's own, or a multimodal
-    checkpoint's `text_config` (its tower and connector run in the encoder stages), with the tying of input and
+    checkpoint's text config (its tower and connector run in the encoder stages), with the tying of input and
     output embeddings the top-level config decides (transformers ties them by the top level for these
-    architectures).
-
-    Raises:
-        ValueError: an architecture the product does not serve (`omni_backend.checkpoints`), named before
-            transformers reads the config.
-    """
-    name = checkpoints.architecture_name(checkpoints.read_config(model_path))
+    architectures)."""
     hf_config = AutoConfig.from_pretrained(model_path)
-    if name not in checkpoints.MULTIMODAL_ARCHITECTURES:
+    if not architecture.multimodal:
         return hf_config
     text_config = hf_config.get_text_config()
     tie = getattr(hf_config, "tie_word_embeddings", None)
@@ -76,16 +73,20 @@ class ModelRunner:
     """Owns the model weights, the KV cache, the block-table pool and the CUDA graphs (see the module docstring).
 
     Attributes:
-        attention_backend: "cpu", "torch" or "triton", what runs.
+        architecture: the checkpoint's row of the model registry; language_model: the row whose model class and
+            CPU step run its language model (`registry.language_model`).
+        attention: the attention backend every layer calls (`attention/selector.py`).
+        attention_backend: its name, "cpu", "torch" or "triton"; attention_reason: why it was chosen.
         matmuls: what runs the projections and the output head: "cpu-kernels-float32" / "cpu-kernels-int8" (the
-            C++ kernels of kernels/linear_cpu.py, with the float32 step of models/llama_cpu.py), "onednn-packed"
-            (CPU, bfloat16/float16), "torch" (GPUs, and CPUs where neither is available).
+            C++ kernels of kernels/linear_cpu.py, through the CPU step the registry names), "onednn-packed" (CPU:
+            bfloat16/float16, or a model without a CPU step), "torch" (GPUs, and CPUs where neither is available).
         fallback_reason: why the attention backend or the matmuls are not the ones chosen first ("" when they
             are; both reasons joined by "; ").
         graph_runner: the decode CUDA graphs, None when decode runs eagerly (CPU, enforce_eager, torch backend).
 
     Raises (constructor):
-        ValueError: unsupported architecture, max_model_len beyond the model, or a KV budget without one block.
+        ValueError: unsupported architecture, max_model_len beyond the model, a KV budget without one block, or
+            quantization "int8" for a model without a CPU step.
         RuntimeError: an explicitly requested attention backend fails its self-test.
         kernels.cpu_library.CpuKernelUnavailable: the "cpu" attention backend was requested explicitly, or
             quantization "int8", and the C++ kernels cannot be built here.
@@ -99,8 +100,10 @@ class ModelRunner:
             if config.cpu_threads:
                 torch.set_num_threads(config.cpu_threads)
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
-        hf_config = language_model_config(config.model_path)
+        self.architecture = checkpoints.architecture(config.model_path)  # before transformers reads the config
+        hf_config = language_model_config(self.architecture, config.model_path)
         self.hf_config = hf_config
+        self.language_model = registry.language_model(self.architecture, hf_config.model_type)
         self.dtype = select_dtype("float32" if config.quantization != "none" else config.dtype,
                                   self.device.torch_device)
         self.num_q_heads = hf_config.num_attention_heads
@@ -109,14 +112,20 @@ class ModelRunner:
         max_positions = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 20))
         if config.max_model_len > max_positions:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} positions")
-        self.fallback_reason = ""
-        attention = self._make_attention(config.attention_backend)
-        self.model = self._build_model(attention, max_positions)
+        choice = select_attention(config.attention_backend, self.device.torch_device, self.num_q_heads,
+                                  self.num_kv_heads, self.head_dim, self.dtype, config.block_size,
+                                  str(paths.cache_dir() / "kernels"))
+        self.attention = choice.backend
+        self.attention_backend, self.attention_reason = choice.backend.name, choice.reason
+        self.fallback_reason = choice.fallback_reason
+        logger.info("architecture %s (language model: %s's); dtype %s; device %s", self.architecture.name,
+                    self.language_model.name, self.dtype, self.device.torch_device)
+        self.model = self._build_model(max_positions)
         self.sampler = Sampler()
         self.num_eager_steps = 0
         self.graph_runner: DecodeGraphRunner | None = None
         self._graph_sizes = capture_batch_sizes(config.max_num_seqs)
-        self._workspaces: dict[int, DecodeWorkspace] = {}
+        self._plans: dict[int, tuple[int | None, DecodeWorkspace | None]] = {}  # by decode batch size
         self.staging = HostToDeviceStaging(staging_capacity(config.max_num_batched_tokens, config.max_num_seqs),
                                            self.device)
 
@@ -140,81 +149,49 @@ class ModelRunner:
                                           config.enable_prefix_caching)
         logger.info("prefix caching %s", "on" if config.enable_prefix_caching else "off (enable_prefix_caching)")
 
-        if self.device.is_cuda and self.attention_backend == "triton":
+        if self.device.is_cuda and self.attention.compiles_per_shape:
             self._warm_up()
         if capture:
             self._capture(profile)
 
     # --- start-up -------------------------------------------------------------------------------------------
 
-    def _make_attention(self, requested: str) -> PagedAttention:
-        """The attention backend `select_attention_backend` picks, checked once against the torch reference.
-
-        An automatic "cpu" whose C++ kernel cannot be built here, or an automatic backend that fails its
-        self-test (a kernel that does not compile, load or agree on this driver/toolchain), falls back to
-        "torch" with a WARNING naming the reason and the versions; `fallback_reason` keeps it for the
-        omni_runtime_info metric. Sets `attention_backend`.
-
-        Raises:
-            CpuKernelUnavailable: "cpu" was requested explicitly and cannot be built.
-            RuntimeError: an explicitly requested backend fails its self-test.
-        """
-        device = self.device.torch_device
-        backend, reason = select_attention_backend(requested, device)
-        scale = self.head_dim ** -0.5
-        try:
-            attention = PagedAttention(backend, scale=scale, kernel_build_dir=str(paths.cache_dir() / "kernels"))
-        except CpuKernelUnavailable as exc:
-            if requested != "auto":
-                raise
-            logger.warning("attention backend cpu disabled, using torch: %s", exc)
-            backend, reason = "torch", "auto: the C++ decode kernel cannot be built here"
-            self.fallback_reason = f"cpu kernel unavailable: {exc}"
-            attention = PagedAttention("torch", scale=scale)
-        if backend != "torch":
-            failure = self_test(attention, self.num_q_heads, self.num_kv_heads, self.head_dim, self.dtype, device,
-                                self.config.block_size)
-            if failure is not None:
-                versions = ", ".join(f"{k} {v or '-'}" for k, v in runtime_versions().items())
-                message = f"attention backend {backend} failed its self-test on {device} ({failure}); {versions}"
-                if requested != "auto":
-                    raise RuntimeError(message)
-                logger.warning("%s: falling back to the torch backend (eager, no CUDA graphs)", message)
-                backend, reason = "torch", f"auto: {backend} failed its self-test"
-                self.fallback_reason = f"self-test of {attention.backend}: {failure}"
-                attention = PagedAttention("torch", scale=scale)
-        self.attention_backend = backend
-        logger.info("attention backend: %s (%s); dtype %s; device %s", backend, reason, self.dtype, device)
-        return attention
-
-    def _build_model(self, attention: PagedAttention, max_positions: int) -> LlamaForCausalLM:
-        """The model built on the meta device, cast there (free), then materialised on the engine's device in
-        its final dtype and loaded: device memory never holds a float32 copy of bf16/fp16 weights."""
+    def _build_model(self, max_positions: int) -> LlamaForCausalLM:
+        """The registry's model class built on the meta device, cast there (free), then materialised on the
+        engine's device in its final dtype and loaded: device memory never holds a float32 copy of bf16/fp16
+        weights."""
+        model_class = registry.load(self.language_model.model)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, attention, max_positions)
+            model = model_class(self.hf_config, self.attention, max_positions)
         model = model.to(self.dtype).to_empty(device=self.device.torch_device)
         model.place_rope_cache(self.device.torch_device)
-        model.load_weights(self.config.model_path)
+        model.load_weights(self.config.model_path, self.architecture.weight_prefixes)
         self.matmuls = "torch"
         if not self.device.is_cuda:
             self._use_cpu_matmuls(model)
         return model.eval()
 
     def _use_cpu_matmuls(self, model: LlamaForCausalLM) -> None:
-        """The CPU step's matmuls (`matmuls`): for float32 the C++ kernels with the fused step of models/llama_cpu.py
-        (int8 panels with quantization "int8"); where they cannot be built, a WARNING, the reason in
-        `fallback_reason`, and oneDNN's packed weights as for bfloat16/float16; unpacked torch weights where oneDNN
-        cannot pack the dtype either.
+        """The CPU step's matmuls (`matmuls`): for float32 the C++ kernels through the CPU step the registry names
+        for the model (models/llama_cpu.py; int8 panels with quantization "int8"); where they cannot be built, a
+        WARNING, the reason in `fallback_reason`, and oneDNN's packed weights as for bfloat16/float16 and for a
+        model without a CPU step; unpacked torch weights where oneDNN cannot pack the dtype either.
 
         Raises:
             CpuKernelUnavailable: quantization "int8" and the C++ kernels cannot be built.
+            ValueError: quantization "int8" for a model without a CPU step.
         """
         quantization = self.config.quantization
-        if self.dtype == torch.float32:
-            build_dir = paths.cache_dir() / "kernels"
+        step = self.language_model.cpu_step
+        if step is None:
+            if quantization != "none":
+                raise ValueError(f"quantization {quantization} runs in a C++ CPU step, which the registry names "
+                                 f"none for {self.language_model.name}")
+            logger.info("CPU matmuls: %s has no C++ CPU step, its torch modules run", self.language_model.name)
+        elif self.dtype == torch.float32:
             try:
-                forward = CpuLlamaForward(model, CpuLinearKernels(build_dir), CpuOps(build_dir),
-                                          CpuDecodeStep(build_dir), "int8" if quantization == "int8" else "float32")
+                forward = registry.load(step).build(model, paths.cache_dir() / "kernels",
+                                                    "int8" if quantization == "int8" else "float32")
             except CpuKernelUnavailable as exc:
                 if quantization != "none":
                     raise
@@ -235,13 +212,14 @@ class ModelRunner:
                            "unpacked (slower decode steps)", self.dtype)
 
     def _graphs_wanted(self) -> bool:
-        """Whether decode runs through CUDA graphs: on a GPU, with the triton backend, unless enforce_eager."""
+        """Whether decode runs through CUDA graphs: on a GPU, with a graph-safe attention backend (triton), unless
+        enforce_eager."""
         if not self.device.is_cuda:
             return False
         if self.config.enforce_eager:
             logger.info("CUDA graphs off (enforce_eager): decode runs eagerly")
             return False
-        if self.attention_backend != "triton":
+        if not self.attention.graph_safe:
             logger.warning("attention backend %s on %s is not CUDA-graph safe (its decode path waits for the "
                            "device to size its gather): decode runs eagerly, with a kernel launch per op",
                            self.attention_backend, self.device.torch_device)
@@ -343,18 +321,16 @@ class ModelRunner:
     # --- one step ---------------------------------------------------------------------------------------------
 
     def _decode_plan(self, num_decodes: int) -> tuple[int | None, DecodeWorkspace | None]:
-        """Split-KV partitions and workspace for a decode part of `num_decodes` rows (triton backend; else
-        (None, None)). Fixed per captured batch size (the smallest >= num_decodes), so eager steps and the
-        graph replayed for that size launch the same; workspaces are allocated once per size."""
-        if self.attention_backend != "triton":
-            return None, None
+        """Split-KV partitions and workspace for a decode part of `num_decodes` rows (`AttentionBackend.decode_plan`:
+        (None, None) for a backend without split-KV decode). Fixed per captured batch size (the smallest >=
+        num_decodes), so eager steps and the graph replayed for that size launch the same; workspaces are allocated
+        once per size."""
         size = next(s for s in self._graph_sizes if s >= num_decodes)
-        capacity = self.config.max_blocks_per_seq * self.config.block_size
-        splits = default_num_splits(size, self.num_kv_heads, capacity)
-        if size not in self._workspaces:
-            self._workspaces[size] = alloc_decode_workspace(size, self.num_q_heads, self.head_dim, splits,
-                                                            self.device.torch_device)
-        return splits, self._workspaces[size]
+        if size not in self._plans:
+            capacity = self.config.max_blocks_per_seq * self.config.block_size
+            self._plans[size] = self.attention.decode_plan(size, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                                           capacity, self.device.torch_device)
+        return self._plans[size]
 
     def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
         """A decode-only forward pass over these [b] inputs (what the CUDA graphs capture per batch size)."""

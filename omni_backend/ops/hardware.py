@@ -1,8 +1,8 @@
 """Device capabilities that decide dtypes and kernels, and the GPU inventory and readings (NVML).
 
 Rules (by capability, never by model or device name): bf16 needs compute capability >= 8.0 (Ampere; NVIDIA
-CUDA C Programming Guide, "Arithmetic Instructions"), fp16 below; OpenAI-Triton kernels need a CUDA device of
-capability >= 7.0 (Triton's documented minimum) or the interpreter (TRITON_INTERPRET=1). On CPU the default
+CUDA C Programming Guide, "Arithmetic Instructions"), fp16 below (the attention backend's rules, from the same
+capability, are in omni_backend/engine/attention/selector.py). On CPU the default
 is bfloat16 where the CPU has native bf16 matrix math (AMX-BF16 or AVX512-BF16 in /proc/cpuinfo; measured
 here: a 1024-token SmolLM2 prefill step about 5x faster than float32), float32 elsewhere. Greedy-equality
 tests pin float32.
@@ -104,38 +104,6 @@ def select_dtype(requested: str, device: torch.device, capability=_QUERY) -> tor
     if requested == "bfloat16" and capability is not None and capability < (8, 0):
         raise ValueError(f"bfloat16 needs compute capability >= 8.0, device has {capability}")
     return DTYPES[requested]
-
-
-def select_attention_backend(requested: str, device: torch.device, capability=_QUERY) -> tuple[str, str]:
-    """Resolve "auto"/"cpu"/"torch"/"triton" to a backend name and the reason for the choice.
-
-    "cpu" (the CPU default) is a C++ decode kernel built on first use (kernels/paged_decode_cpu.py); whether it
-    builds is only known then, so the model runner falls back to "torch" when an automatic "cpu" cannot be built.
-    `capability` as in `select_dtype`.
-
-    Raises:
-        ValueError: "triton" requested where the kernels cannot run, or "cpu" requested for a CUDA device.
-    """
-    if capability is _QUERY:
-        capability = compute_capability(device)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    triton_ok = (capability is not None and capability >= (7, 0)) or (capability is None and interpreted)
-    if requested == "triton":
-        if not triton_ok:
-            raise ValueError("attention_backend=triton needs a CUDA device with capability >= 7.0 "
-                             "or TRITON_INTERPRET=1 on CPU")
-        return "triton", "requested"
-    if requested == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend=cpu runs on CPU tensors, the engine's device is {device}")
-        return "cpu", "requested"
-    if requested == "torch":
-        return "torch", "requested"
-    if capability is not None and triton_ok:
-        return "triton", f"auto: CUDA capability {capability[0]}.{capability[1]}"
-    if capability is not None:
-        return "torch", f"auto: CUDA capability {capability[0]}.{capability[1]} below 7.0"
-    return "cpu", "auto: CPU device (C++ paged decode kernel; Triton kernels only under TRITON_INTERPRET=1)"
 
 
 # --- NVML: inventory and readings ----------------------------------------------------------------------------

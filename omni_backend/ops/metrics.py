@@ -29,12 +29,14 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
     omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
-    omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,matmuls,fallback_reason}
+    omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,attention_reason,matmuls,
+                      fallback_reason}
                                         gauge      1; the versions the engine runs with (cuda_driver: the CUDA
-                                                   version the driver supports, from NVML), what runs its matmuls
-                                                   (ModelRunner.matmuls: cpu-kernels-float32, cpu-kernels-int8,
-                                                   onednn-packed, torch) and why its attention backend or matmuls
-                                                   are not the first choice ("" when they are)
+                                                   version the driver supports, from NVML), its attention backend
+                                                   and why the selector chose it (engine/attention/selector.py),
+                                                   what runs its matmuls (ModelRunner.matmuls: cpu-kernels-float32,
+                                                   cpu-kernels-int8, onednn-packed, torch) and why its attention
+                                                   backend or matmuls are not the first choice ("" when they are)
     omni_governor_state                 gauge      0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting
     omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
     omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz
@@ -110,7 +112,7 @@ class LLMMetrics:
         attention_backend: name for the `omni_attention_backend` gauge.
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
-            matmuls and fallback_reason); None: the gauge is not published.
+            attention_reason, matmuls and fallback_reason); None: the gauge is not published.
     """
 
     def __init__(self, pb_utils, model: str, version: str, attention_backend: str, device: str = "cpu",

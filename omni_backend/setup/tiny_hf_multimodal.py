@@ -4,7 +4,8 @@ real folder without downloading one (`OMNI_LLM_MODEL_PATH=<folder> scripts/serve
 Each folder is what `save_pretrained` writes for the architecture: transformers' own config class (small sizes,
 the real structure), random weights under the checkpoint's own tensor names, the SmolLM2 tokenizer with the
 model's added image/audio tokens, a chat template and the processor config. Their answers mean nothing; they run
-the same code a downloaded SmolVLM, LLaVA or Qwen2-Audio folder would.
+the same code a downloaded SmolVLM, LLaVA or Qwen2-Audio folder would, and they are the tiny checkpoints of the
+model registry's equivalence tests (docs/architecture.md, "Model registry").
 
     python -m omni_backend.setup.tiny_hf_multimodal idefics3|llava|qwen2_audio <folder>
 """

@@ -1,9 +1,10 @@
 """What the preprocess stage needs to know about an image or audio encoder, and where its checkpoint folder is.
 
 The encoder of a kind comes from a Hugging Face multimodal checkpoint (`omni_backend.checkpoints`: the LLM's own
-folder, or a configured one) or from a project encoder folder. A project encoder folder holds `config.json` (the tower's transformers config), `model.safetensors` (tower and projector
-weights; omni_backend/stages/media_encoder.py loads them) and `omni_media.json`, the `MediaSpec` read here. This
-module imports neither torch nor transformers, so preprocess can use it.
+folder, or a configured one) or from a project encoder folder. A project encoder folder holds `config.json` (the
+tower's transformers config), `model.safetensors` (tower and projector weights; omni_backend/stages/media_encoder.py
+loads them) and `omni_media.json`, the `MediaSpec` read here. This module imports neither torch nor transformers,
+so preprocess can use it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni_backend import checkpoints, paths
+from omni_backend.engine.models.registry import Architecture
 
 SPEC_FILE = "omni_media.json"
 DEFAULT_DIRS = {"image": "tiny-omni-vision", "audio": "tiny-omni-audio"}
@@ -48,12 +50,12 @@ class MediaSource:
 
     Attributes:
         folder: the checkpoint folder (absolute).
-        architecture: the multimodal architecture of a Hugging Face checkpoint; None for a project encoder
-            folder (`omni_media.json` + tower + projector).
+        architecture: the model registry's row of a Hugging Face multimodal checkpoint; None for a project
+            encoder folder (`omni_media.json` + tower + projector).
     """
 
     folder: Path
-    architecture: checkpoints.MultimodalArchitecture | None = None
+    architecture: Architecture | None = None
 
 
 def media_source(kind: str, configured: str = "", llm_model_path: str = "") -> MediaSource | None:
@@ -69,7 +71,7 @@ def media_source(kind: str, configured: str = "", llm_model_path: str = "") -> M
         ValueError: an unsupported architecture in the LLM folder (`omni_backend.checkpoints`).
     """
     architecture = checkpoints.multimodal_architecture(llm_model_path) if llm_model_path else None
-    if architecture is not None and architecture.kind == kind:
+    if architecture is not None and kind in architecture.encoders:
         return MediaSource(Path(llm_model_path).absolute(), architecture)
     folder = encoder_path(kind, configured)
     if architecture is not None:

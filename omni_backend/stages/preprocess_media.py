@@ -21,8 +21,9 @@ class MediaConfig:
     Args:
         specs: kind ("image"/"audio") -> `MediaSpec` of its project encoder; a kind without one answers 400.
         limits: `omni_backend.stages.media.MediaLimits`.
-        prompt: the `hf_prompt.ProcessorPrompt` of a multimodal LLM checkpoint, which then renders every chat and
-            reads its own kind of media; `specs` then holds the project encoders of the other kinds, if any.
+        prompt: the `hf_prompt.ProcessorPrompt` of a multimodal LLM checkpoint (the class its model registry row
+            names), which then renders every chat and reads its own kind of media; `specs` then holds the project
+            encoders of the other kinds, if any.
     """
 
     def __init__(self, specs: dict, limits, prompt=None):
@@ -49,9 +50,9 @@ class MediaConfig:
             configured = parameters.get(key, "")
             source = media_source(kind, "" if configured.lower() == "none" else configured, llm_model_path)
             if source is not None and source.architecture is not None:
-                from omni_backend.stages.hf_prompt import ProcessorPrompt
+                from omni_backend.engine.models import registry
 
-                prompt = ProcessorPrompt(source.folder, source.architecture)
+                prompt = registry.load(source.architecture.processor)(source.folder, source.architecture)
             elif source is not None and configured.lower() != "none" and (source.folder / SPEC_FILE).is_file():
                 specs[kind] = MediaSpec.load(source.folder)
         return cls(specs, limits, prompt)

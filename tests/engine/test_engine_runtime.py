@@ -10,7 +10,8 @@ import torch
 
 from kernels.paged_decode import default_num_splits
 from kernels.paged_decode_cpu import CpuPagedDecode
-from omni_backend.engine.attention import PagedAttention, self_test
+from omni_backend.engine.attention.selector import BACKENDS
+from omni_backend.engine.attention.self_test import self_test
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.memory import GPU_HEADROOM_BYTES, MIB, GpuMemoryProfile, plan_kv_cache
@@ -71,7 +72,7 @@ def test_self_test_passes_for_the_triton_and_cpu_backends(heads, dtype, tmp_path
     for backend in ("triton", "cpu"):  # triton: the interpreter on CPU (tests/conftest.py sets it)
         if backend == "cpu" and dtype == torch.float16:
             continue  # the CPU engine runs float32 or bfloat16
-        attention = PagedAttention(backend, head_dim ** -0.5, kernel_build_dir=str(tmp_path))
+        attention = BACKENDS[backend](head_dim ** -0.5, str(tmp_path))
         assert self_test(attention, q_heads, kv_heads, head_dim, dtype, torch.device("cpu"), 16) is None, backend
 
 

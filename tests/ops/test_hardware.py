@@ -1,5 +1,6 @@
-"""GPU inventory and readings through NVML (fake source here), dtype/kernel rules by compute capability, and device
-resolution with the versions that explain it."""
+"""GPU inventory and readings through NVML (fake source here), dtype/kernel rules by compute capability (the
+attention backend's first choice: engine/attention/selector.py), and device resolution with the versions that
+explain it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from omni_backend.engine.attention.selector import first_choice
 from omni_backend.ops import hardware
 from omni_backend.ops.fake_nvml import FakeGpu, FakeNvml
 from omni_backend.ops import torch_flavor
@@ -62,24 +64,24 @@ def test_dtype_and_kernels_follow_compute_capability(capability, dtype, backend)
     gpu = hardware.Nvml(FakeNvml([FakeGpu(name="any name", compute_capability=capability)])).info(0)
     cuda = torch.device("cuda", 0)
     assert hardware.select_dtype("auto", cuda, gpu.compute_capability) == dtype
-    assert hardware.select_attention_backend("auto", cuda, gpu.compute_capability)[0] == backend
+    assert first_choice("auto", cuda, gpu.compute_capability)[0] == backend
     if capability < (8, 0):
         with pytest.raises(ValueError, match="bfloat16 needs compute capability"):
             hardware.select_dtype("bfloat16", cuda, capability)
     if backend == "torch":
         with pytest.raises(ValueError, match="attention_backend=triton"):
-            hardware.select_attention_backend("triton", cuda, capability)
+            first_choice("triton", cuda, capability)
 
 
 def test_cpu_device_picks_the_cpu_kernel_and_cpu_is_refused_for_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert hardware.select_attention_backend("auto", cpu, None)[0] == "cpu"
-    assert hardware.select_attention_backend("torch", cpu, None) == ("torch", "requested")
+    assert first_choice("auto", cpu, None)[0] == "cpu"
+    assert first_choice("torch", cpu, None) == ("torch", "requested")
     with pytest.raises(ValueError, match="attention_backend=triton"):
-        hardware.select_attention_backend("triton", cpu, None)
+        first_choice("triton", cpu, None)
     with pytest.raises(ValueError, match="attention_backend=cpu runs on CPU tensors"):
-        hardware.select_attention_backend("cpu", torch.device("cuda", 0), (9, 0))
+        first_choice("cpu", torch.device("cuda", 0), (9, 0))
 
 
 # --- device resolution and runtime versions (torch and NVML facts injected) -----------------------------------

@@ -141,8 +141,9 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     float32_step = cpu_kernel_buildable and not cpu_has_native_bf16()
     info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="13.0",
                 attention_backend=backend, matmuls="cpu-kernels-float32" if float32_step else "onednn-packed")
-    if cpu_kernel_buildable:
-        info["fallback_reason"] = ""
+    if cpu_kernel_buildable:  # the selector's first choice on a CPU, kept
+        info.update(fallback_reason="", attention_reason="auto: CPU device (C++ paged decode kernel; Triton kernels "
+                                                         "only under TRITON_INTERPRET=1)")
     assert value(after, "omni_runtime_info", **info) == 1
     assert "omni_oom_recoveries_total" in after and delta("omni_oom_recoveries_total") == 0
     # governor and GPU readings (the fake GPU: 120 W of 300, 50 C)

@@ -1,9 +1,14 @@
-"""Llama-family decoder (Llama, Qwen2, SmolLM2) running on the paged KV cache.
+"""The Llama decoder (Llama, SmolLM2; the base of models/qwen2.py) running on the paged KV cache.
 
-Architecture per Touvron et al., "LLaMA" (2023) and the Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM`
-configs: pre-RMSNorm (Zhang & Sennrich 2019), rotary embeddings, grouped-query attention (Ainslie et al.
-2023), SwiGLU MLP (Shazeer 2020), optional QKV bias (Qwen2) and tied input/output embeddings. Q/K/V and
-gate/up projections are fused into one matmul each.
+Architecture per Touvron et al., "LLaMA" (2023) and the Hugging Face `LlamaForCausalLM` config: pre-RMSNorm
+(Zhang & Sennrich 2019), rotary embeddings, grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer
+2020), a QKV bias where the config asks for one (`qkv_bias`) and tied input/output embeddings. Q/K/V and gate/up
+projections are fused into one matmul each.
+
+`LlamaForCausalLM` is also the interface of every engine model the registry names (models/registry.py): built
+on the meta device from the language model's config, the attention backend and the RoPE table length; then
+`place_rope_cache`, `load_weights`, `forward`, `compute_logits`, `embed_tokens`, `pack_for_cpu`, and, for a model
+whose registry row names a CPU step, `use_cpu_kernels`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 
 from omni_backend import checkpoints
 from omni_backend.engine import cpu_linear
-from omni_backend.engine.attention import AttentionMetadata, PagedAttention
+from omni_backend.engine.attention.interface import AttentionBackend, AttentionMetadata
 from omni_backend.engine.models.llama_cpu import CpuLlamaForward
 from omni_backend.engine.models.rope import apply_rope, cos_sin_cache, rope_parameters
 
@@ -39,12 +44,11 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, attention: PagedAttention):
+    def __init__(self, config, attention: AttentionBackend, bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -73,11 +77,12 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM. forward: input_ids int64 [T], positions int64 [T] -> hidden [T, hidden_size]."""
 
-    def __init__(self, config, attention: PagedAttention, max_positions: int):
+    def __init__(self, config, attention: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
+        bias = self.qkv_bias(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention, bias) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
@@ -87,6 +92,11 @@ class LlamaForCausalLM(nn.Module):
         # float32 tables, kept out of the parameters so dtype casts leave them alone; see `place_rope_cache`
         self.cos_cache, self.sin_cache = cos_sin_cache(self.layers[0].head_dim, max_positions,
                                                        rope_parameters(config))
+
+    @staticmethod
+    def qkv_bias(config) -> bool:
+        """Whether the q/k/v projections carry a bias: the config's `attention_bias`, as in transformers' Llama."""
+        return bool(getattr(config, "attention_bias", False))
 
     def place_rope_cache(self, device: torch.device) -> None:
         """Move the RoPE tables [max_positions, head_dim] float32 to the model's device."""
@@ -135,11 +145,12 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 
-    def load_weights(self, model_path: str) -> None:
+    def load_weights(self, model_path: str, prefixes: tuple[str, ...]) -> None:
         """Load HF safetensors weights into the parameters (already on their device, in their final dtype),
         fusing q/k/v and gate/up projections. Tensors are read one at a time from the memory-mapped files, so
-        the host holds at most one fused weight beside the mapping, never a second copy of the checkpoint. A
-        multimodal checkpoint's language model is read under its own names (`checkpoints.text_weight_name`).
+        the host holds at most one fused weight beside the mapping, never a second copy of the checkpoint. The
+        language model is read under the checkpoint's own names: `prefixes` is where the architecture keeps it
+        (its registry row's `weight_prefixes`, `checkpoints.text_weight_name`).
 
         Raises:
             FileNotFoundError: no *.safetensors in model_path.
@@ -153,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             for path in files:
                 handle = stack.enter_context(safe_open(path, framework="pt"))
                 for name in handle.keys():
-                    where[checkpoints.text_weight_name(name)] = (handle, name)
+                    where[checkpoints.text_weight_name(name, prefixes)] = (handle, name)
 
             def take(name: str) -> torch.Tensor:
                 if name not in where:

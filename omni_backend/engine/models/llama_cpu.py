@@ -1,9 +1,10 @@
-"""The float32 forward pass of `LlamaForCausalLM` on the CPU through the C++ kernels of `kernels/`: the CPU
-engine's step.
+"""The float32 forward pass of `LlamaForCausalLM` (and of its Qwen2 subclass) on the CPU through the C++ kernels of
+`kernels/`: the CPU step the model registry names for the Llama-family models (engine/models/registry.py); a
+model whose registry row names no CPU step never runs it.
 
 Per layer: RMSNorm (`kernels.cpu_ops`), the fused QKV projection (`kernels.linear_cpu`), RoPE on q/k fused with
-writing the step's K/V into the paged cache, paged attention (`PagedAttention.attend`: the C++ decode kernel, the
-torch prefill reference), the output projection added into the residual stream in place, RMSNorm, the fused
+writing the step's K/V into the paged cache, paged attention (`AttentionBackend.attend`: with the cpu backend the
+C++ decode kernel and the torch prefill reference), the output projection added into the residual stream in place, RMSNorm, the fused
 gate/up projection, SiLU(gate) * up, and the down projection added into the residual stream: 9 calls where the
 torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it in one call
 (`kernels/cpu_decode_step.py`, bit-identical). The arithmetic is the torch modules' (`models/llama.py`): float32
@@ -14,12 +15,14 @@ step").
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kernels.cpu_decode_step import CpuDecodeStep, DecodeStepModel
 from kernels.cpu_ops import CpuOps
 from kernels.linear_cpu import CpuLinearKernels, PackedWeight
-from omni_backend.engine.attention import AttentionMetadata
+from omni_backend.engine.attention.interface import AttentionMetadata
 
 
 class _Layer:
@@ -47,8 +50,9 @@ class CpuLlamaForward:
         model: the loaded `LlamaForCausalLM` (float32, CPU).
         linear: the built linear kernels.
         ops: the built elementwise ops.
-        decode_step: the built one-call decode step, which runs decode-only steps when the attention backend is
-            "cpu" (its kernel is what it calls); None: every step op by op.
+        decode_step: the built one-call decode step, which runs decode-only steps when the attention backend has
+            a C++ decode kernel for it (`AttentionBackend.cpu_decode_kernel`, the cpu backend's); None: every step
+            op by op.
         weight_format: "float32" or "int8" (`kernels.linear_cpu.WEIGHT_FORMATS`), for every projection and the
             output head; the input embedding table stays float32 (rows are looked up, not multiplied).
 
@@ -63,7 +67,7 @@ class CpuLlamaForward:
                              f"{model.embed_tokens.weight.dtype} on {model.embed_tokens.weight.device}")
         self.linear, self.ops, self.weight_format = linear, ops, weight_format
         first = model.layers[0]
-        self.decode_step = decode_step if first.attention.decode_kernel is not None else None
+        self.decode_step = decode_step if first.attention.cpu_decode_kernel is not None else None
         self._described: DecodeStepModel | None = None  # the decode step's view of the engine's KV caches
         self.num_heads, self.num_kv_heads, self.q_size = first.num_heads, first.num_kv_heads, first.q_size
         self.kv_size = first.kv_size
@@ -74,6 +78,17 @@ class CpuLlamaForward:
         self.norm, self.norm_eps = model.norm.weight.detach().contiguous(), model.norm.eps
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.head: PackedWeight = linear.pack(head.detach(), weight_format)
+
+    @classmethod
+    def build(cls, model, build_dir: Path, weight_format: str) -> "CpuLlamaForward":
+        """The forward of `model` with the C++ kernels built in `build_dir` (on first use): what the registry names
+        as the CPU step of the Llama-family models (engine/models/registry.py).
+
+        Raises:
+            kernels.cpu_library.CpuKernelUnavailable: the kernels cannot be built or loaded here.
+            ValueError: as the constructor.
+        """
+        return cls(model, CpuLinearKernels(build_dir), CpuOps(build_dir), CpuDecodeStep(build_dir), weight_format)
 
     @property
     def weight_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """The code's structure, checked: no import cycles, no import running up a layer, every setting declared once,
-every Triton tensor name and the operator's header spelt only in the vocabulary.
+every Triton tensor name and the operator's header spelt only in the vocabulary, every architecture named only in
+the model registry and listed with its equivalence tests in docs/architecture.md.
 
 Layers, lowest first (a module may import its own layer and those below, never one above):
 
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from omni_backend import repository, settings
 from omni_backend import tensor_names as T
+from omni_backend.engine.models import registry
 from omni_backend.vocabulary import PROMPT_TENSORS, SAMPLING_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,3 +277,71 @@ def test_the_literal_finder_finds_literals():
             'INPUT_NAMES = ("prompt_embeds",)\nz = arrays["passthrough"]\nok = {"image": "kind"}\n')
     assert sorted(name for _, name in tensor_name_literals(ast.parse(code), config_tensor_names())) == [
         "input_ids", "passthrough", "prompt_embeds", "text_output"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Architectures: named only in the model registry, each with its equivalence tests in docs/architecture.md
+
+REGISTRY = "omni_backend.engine.models.registry"
+ARCHITECTURE_SHAPE = re.compile(r"\w+For(?:CausalLM|ConditionalGeneration)\b")
+
+
+def architecture_literals(tree: ast.AST, names: set[str], model_types: set[str]) -> list[tuple[int, str]]:
+    """(line, literal) of every string outside a docstring that tells architectures apart: a registered name or
+    its start (`name.startswith("Llava")`), anything shaped like `...ForCausalLM` / `...ForConditionalGeneration`,
+    and a registered text model_type in a comparison (`config.model_type == "qwen2"`)."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            value = node.value
+            if ARCHITECTURE_SHAPE.search(value) or (len(value) >= 4 and value.isidentifier()
+                                                    and any(name.startswith(value) for name in names)):
+                found.append((node.lineno, value))
+        elif isinstance(node, ast.Compare):
+            found += [(c.lineno, c.value) for c in (node.left, *node.comparators)
+                      if isinstance(c, ast.Constant) and c.value in model_types]
+    return found
+
+
+def _registered() -> tuple[set[str], set[str]]:
+    return set(registry.ARCHITECTURES), {a.model_type for a in registry.ARCHITECTURES.values() if a.model_type}
+
+
+def test_no_module_but_the_registry_tells_architectures_apart():
+    found = [f"{module}:{line} {value!r}" for module, path in source_files().items() if module != REGISTRY
+             for line, value in architecture_literals(ast.parse(path.read_text()), *_registered())]
+    assert found == []
+
+
+def test_the_architecture_finder_finds_names():
+    code = ('"""Idefics3ForConditionalGeneration in a docstring is prose."""\n'
+            'a = name == "LlavaForConditionalGeneration"\nb = name.startswith("Idefics3")\n'
+            'c = {"MistralForCausalLM": 1}\nd = config.model_type != "qwen2"\ne = "qwen2"\nf = "Llama 3 rope"\n')
+    assert sorted(architecture_literals(ast.parse(code), *_registered())) == [
+        (2, "LlavaForConditionalGeneration"), (3, "Idefics3"), (4, "MistralForCausalLM"), (5, "qwen2")]
+
+
+def registry_docs_rows() -> dict[str, list[str]]:
+    """Architecture -> the test ids its row of docs/architecture.md's "Model registry" table lists."""
+    section = (ROOT / "docs" / "architecture.md").read_text().split("\n## Model registry", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if match := re.match(r"\| `(\w+)` \|", line):
+            rows[match.group(1)] = re.findall(r"`(tests/[\w/]+\.py::[^`]+)`", line)
+    return rows
+
+
+def test_every_registered_architecture_has_its_equivalence_tests_in_the_docs():
+    """The "add an architecture" recipe's last step, kept: a row per registered architecture, and pytest collects
+    every test the rows list."""
+    rows = registry_docs_rows()
+    assert sorted(rows) == sorted(registry.ARCHITECTURES)
+    assert all(rows.values()), rows
+    ids = [test for tests in rows.values() for test in tests]
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert {line for line in out.stdout.splitlines() if "::" in line} == set(ids)

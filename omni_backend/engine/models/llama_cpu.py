@@ -4,9 +4,9 @@ model whose registry row names no CPU step never runs it.
 
 Per layer: RMSNorm (`kernels.cpu_ops`), the fused QKV projection (`kernels.linear_cpu`), RoPE on q/k fused with
 writing the step's K/V into the paged cache, paged attention (`AttentionBackend.attend`: with the cpu backend the
-C++ decode kernel and the torch prefill reference), the output projection added into the residual stream in place, RMSNorm, the fused
-gate/up projection, SiLU(gate) * up, and the down projection added into the residual stream: 9 calls where the
-torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it in one call
+C++ decode kernel and the torch prefill reference), the output projection added into the residual stream in
+place, RMSNorm, the fused gate/up projection, SiLU(gate) * up, and the down projection added into the residual
+stream: 9 calls where the torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it in one call
 (`kernels/cpu_decode_step.py`, bit-identical). The arithmetic is the torch modules' (`models/llama.py`): float32
 throughout, each product one float32 sum; the weights are packed once, as float32 panels or, with quantization "int8", as int8
 panels with per-channel scales (weight-only: activations stay float32). Measured in docs/benchmarks.md ("The CPU

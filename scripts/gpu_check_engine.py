@@ -109,7 +109,7 @@ def check_startup(path: str, device: str) -> dict:
     graphs = runner.graph_runner.batch_sizes if runner.graph_runner else []
     ok = runner.attention_backend == ("triton" if device != "cpu" else "cpu") and not runner.fallback_reason
     return {"ok": ok, "seconds": round(seconds, 1), "attention_backend": runner.attention_backend,
-            "fallback_reason": runner.fallback_reason, "kv_blocks": runner.num_blocks, "graph_batch_sizes": graphs,
+            "attention_reason": runner.attention_reason, "fallback_reason": runner.fallback_reason, "kv_blocks": runner.num_blocks, "graph_batch_sizes": graphs,
             "dtype": str(runner.dtype)}
 
 

@@ -45,6 +45,7 @@ def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):
     report = json.loads(output.read_text())
     assert report["ok"] and report["device"] == "cpu"
     assert report["startup"]["fallback_reason"] == ""
+    assert report["startup"]["attention_reason"].startswith("auto: CPU device")
     for name in ("graphs_vs_eager_fp32", "graphs_vs_eager_bf16"):
         assert report[name]["tokens_equal"] and report[name]["steps_compared"] == 11 * 24, report[name]
     assert set(report["decode_batch1"]["tok_per_s"]) == {"eager", "graph"}

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from omni_backend import checkpoints
+from omni_backend import tensor_names as T
 from omni_backend.engine.models.registry import Architecture
 from omni_backend.stages.chat_template import ChatTemplate
 
@@ -117,7 +118,7 @@ class ProcessorPrompt:
 def pixel_items(encoded: dict) -> dict[str, np.ndarray]:
     """An image processor's `pixel_values` as encoder items [items, 3, S, S] float32 (crops or images)."""
     pixels = np.asarray(encoded["pixel_values"], dtype=np.float32)
-    return {"pixel_values": pixels.reshape(-1, *pixels.shape[-3:])}
+    return {T.PIXEL_VALUES: pixels.reshape(-1, *pixels.shape[-3:])}
 
 
 def _added_around(tokenizer) -> tuple[list[int], list[int]]:

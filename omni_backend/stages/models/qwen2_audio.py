@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from omni_backend import tensor_names as T
 from omni_backend.stages.hf_prompt import ProcessorPrompt
 
 
@@ -67,4 +68,4 @@ class Qwen2AudioPrompt(ProcessorPrompt):
     def _parts(self, ids: list[int], encoded: dict, count: int) -> tuple[list[dict], dict[str, np.ndarray]]:
         frames = [int(n) for n in np.asarray(encoded["feature_attention_mask"]).sum(axis=-1)]
         parts = [{"kind": "audio", "tokens": audio_tokens(n), "items": 1, "frames": n} for n in frames]
-        return parts, {"input_features": np.asarray(encoded["input_features"], dtype=np.float32)}
+        return parts, {T.INPUT_FEATURES: np.asarray(encoded["input_features"], dtype=np.float32)}

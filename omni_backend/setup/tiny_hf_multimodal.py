@@ -3,11 +3,12 @@ real folder without downloading one (`OMNI_LLM_MODEL_PATH=<folder> scripts/serve
 
 Each folder is what `save_pretrained` writes for the architecture: transformers' own config class (small sizes,
 the real structure), random weights under the checkpoint's own tensor names, the SmolLM2 tokenizer with the
-model's added image/audio tokens, a chat template and the processor config. Their answers mean nothing; they run
-the same code a downloaded SmolVLM, LLaVA or Qwen2-Audio folder would, and they are the tiny checkpoints of the
-model registry's equivalence tests (docs/architecture.md, "Model registry").
+model's added image/audio/video tokens, a chat template and the processor config (Qwen2.5-Omni: also its talker,
+token2wav and `spk_dict.pt`, as downloaded folders have them). Their answers mean nothing; they run the same code a
+downloaded SmolVLM, LLaVA, Qwen2-Audio or Qwen2.5-Omni folder would, and they are the tiny checkpoints of the model
+registry's equivalence tests (docs/architecture.md, "Model registry").
 
-    python -m omni_backend.setup.tiny_hf_multimodal idefics3|llava|qwen2_audio <folder>
+    python -m omni_backend.setup.tiny_hf_multimodal idefics3|llava|qwen2_audio|qwen2_5_omni <folder>
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from omni_backend import paths
 
-ARCHITECTURES = ("idefics3", "llava", "qwen2_audio")
+ARCHITECTURES = ("idefics3", "llava", "qwen2_audio", "qwen2_5_omni")
 SEED = 1234
 # A small Llama/Qwen2 language model: 2 layers, grouped-query attention (4 query heads over 2 KV heads).
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,11 +46,24 @@ _QWEN2_AUDIO_TEMPLATE = (
     "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
     "{% else %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_QWEN2_5_OMNI_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2.5-Omni's special tokens, under the names its processor reads from the tokenizer.
+_QWEN2_5_OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+                        "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                        "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
 
 
 def build(architecture: str, folder: str | Path, log=print) -> Path:
-    """Write a tiny random `architecture` checkpoint ("idefics3", "llava" or "qwen2_audio") into `folder`
-    (replaced if present); same weights every build (seed 1234).
+    """Write a tiny random `architecture` checkpoint ("idefics3", "llava", "qwen2_audio" or "qwen2_5_omni") into
+    `folder` (replaced if present); same weights every build (seed 1234).
 
     Raises:
         ValueError: an unknown architecture.
@@ -61,12 +75,16 @@ def build(architecture: str, folder: str | Path, log=print) -> Path:
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose one of {', '.join(ARCHITECTURES)}")
     folder = Path(folder)
-    tokenizer = AutoTokenizer.from_pretrained(paths.models_dir() / "SmolLM2-135M-Instruct")
+    named = {"extra_special_tokens": _QWEN2_5_OMNI_TOKENS} if architecture == "qwen2_5_omni" else {}
+    tokenizer = AutoTokenizer.from_pretrained(paths.models_dir() / "SmolLM2-135M-Instruct", **named)
     torch.manual_seed(SEED)
-    model, processor = {"idefics3": _idefics3, "llava": _llava, "qwen2_audio": _qwen2_audio}[architecture](tokenizer)
+    makers = {"idefics3": _idefics3, "llava": _llava, "qwen2_audio": _qwen2_audio, "qwen2_5_omni": _qwen2_5_omni}
+    model, processor = makers[architecture](tokenizer)
     shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
+    if architecture == "qwen2_5_omni":
+        _finish_qwen2_5_omni(folder, model.config)
     log(f"[setup] built a tiny random {type(model).__name__} checkpoint in {folder}")
     return folder
 
@@ -128,6 +146,65 @@ def _qwen2_audio(tokenizer):
     processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tokenizer,
                                     chat_template=_QWEN2_AUDIO_TEMPLATE)
     return Qwen2AudioForConditionalGeneration(config), processor
+
+
+def _qwen2_5_omni(tokenizer):
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import WhisperFeatureExtractor
+
+    from omni_backend.stages.models.qwen2_5_omni import OmniProcessor
+
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _QWEN2_5_OMNI_TOKENS.items()}
+    marks = dict(image_token_index=ids["image_token"], video_token_index=ids["video_token"],
+                 audio_token_index=ids["audio_token"], audio_start_token_id=ids["audio_bos_token"],
+                 audio_end_token_id=ids["audio_eos_token"], vision_start_token_id=ids["vision_bos_token"],
+                 vision_end_token_id=ids["vision_eos_token"])
+    # Qwen2.5-Omni-7B's structure, small: a Qwen2 thinker with M-RoPE (head 16: mrope_section [2, 3, 3] of its 8
+    # frequencies, as [16, 24, 24] of 64), a windowed vision encoder (patch 14, merge 2, one full-attention block of
+    # two), a Whisper-style audio encoder (100-frame chunks here, 200 there); a one-layer talker and a small
+    # token2wav (BigVGAN: three dilations per kernel, upsample_initial_channel a multiple of 64).
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+    thinker = dict(
+        text_config=dict(vocab_size=len(tokenizer), rope_parameters=rope, **{**_TEXT, "rms_norm_eps": 1e-6}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        audio_config=dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+                          d_model=32, output_dim=64, n_window=50, max_source_positions=1500),
+        **marks)
+    talker = dict(vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_parameters=rope, **marks)
+    token2wav = dict(
+        dit_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, emb_dim=32,
+                        enc_emb_dim=192, enc_dim=32, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16,
+                        enc_se_channels=16, look_ahead_layers=[1], look_backward_layers=[0]),
+        bigvgan_config=dict(upsample_initial_channel=128, resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]],
+                            upsample_rates=[5, 3, 2, 2, 2, 2], upsample_kernel_sizes=[11, 7, 4, 4, 4, 4]))
+    config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=token2wav)
+    # Images of 4 to 32 merged patches (28 x 28 pixels each); the processor's own video limits apply to frames.
+    images = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=32 * 28 * 28)
+    processor = OmniProcessor(images, WhisperFeatureExtractor(feature_size=128), tokenizer,
+                              chat_template=_QWEN2_5_OMNI_TEMPLATE)
+    return Qwen2_5OmniForConditionalGeneration(config), processor
+
+
+def _finish_qwen2_5_omni(folder: Path, config) -> None:
+    """What a downloaded Qwen2.5-Omni folder has beyond `save_pretrained`: `spk_dict.pt` (speaker -> its talker
+    bos token, 192-wide speaker condition and reference mel [frames, 80]), and `Qwen2_5OmniProcessor` as the
+    processor class (transformers' AutoProcessor then loads the whole processor where torchvision is installed)."""
+    import json
+
+    import torch
+
+    bos = config.talker_config.tts_codec_start_token_id
+    speakers = {name: {"bos_token": bos, "cond": torch.randn(192), "ref_mel": torch.randn(40, 80)}
+                for name in ("Chelsie", "Ethan")}
+    torch.save(speakers, folder / "spk_dict.pt")
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        path = folder / name
+        saved = json.loads(path.read_text())
+        saved["processor_class"] = "Qwen2_5OmniProcessor"
+        path.write_text(json.dumps(saved, indent=2) + "\n")
 
 
 def main() -> None:

@@ -27,6 +27,19 @@ def read_config(folder: str | Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
 
 
+def config_value(folder: str | Path, key: str):
+    """A value of the folder's config.json; a dotted key ("thinker_config.image_token_index") names it inside a
+    sub-config.
+
+    Raises:
+        FileNotFoundError: no config.json; KeyError: no such key.
+    """
+    value = read_config(folder)
+    for name in key.split("."):
+        value = value[name]
+    return value
+
+
 def architecture(folder: str | Path) -> Architecture:
     """The registry row of the folder's `architectures[0]`.
 

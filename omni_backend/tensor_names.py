@@ -19,7 +19,7 @@ SAMPLING_PARAMS = "sampling_params"  # BYTES [1]: SamplingParams as JSON
 PROMPT_TEXT = "prompt_text"  # BYTES [1]: the rendered prompt (echo, logprobs)
 
 # media: preprocess -> media_embed -> the encoders -> llm
-PIXEL_VALUES = "pixel_values"  # FP32 [items, 3, H, W]
+PIXEL_VALUES = "pixel_values"  # FP32 [items, ...]: [3, H, W] pixels, or an item of patch rows (Qwen2.5-Omni)
 INPUT_FEATURES = "input_features"  # FP32 [items, mel bins, frames]
 INPUT_LENGTHS = "input_lengths"  # INT32 [items]: valid frames of each audio item
 MEDIA_PARTS = "media_parts"  # BYTES [1]: JSON list of the message's media parts
@@ -27,6 +27,7 @@ MEDIA_POSITIONS = "media_positions"  # INT32 [n]: prompt positions of the placeh
 EMBEDDINGS = "embeddings"  # FP32 [items, tokens, hidden]: an encoder's output
 PROMPT_EMBEDS = "prompt_embeds"  # FP32 [k, hidden]: rows replacing token embeddings
 PROMPT_EMBED_POSITIONS = "prompt_embed_positions"  # INT32 [k]: the prompt positions they replace
+PROMPT_POSITIONS = "prompt_positions"  # INT32 [3, n]: M-RoPE (t, h, w) ids of the prompt's tokens ([3, 0]: none)
 
 # llm (decoupled): its other inputs and its outputs, which postprocess and tts pass on
 PASSTHROUGH = "passthrough"  # BYTES [1]: later steps' settings, echoed in every response

@@ -16,7 +16,7 @@ from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.model_runner import ModelRunner
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.scheduler import Scheduler
-from omni_backend.engine.sequence import PromptEmbeds, Sequence
+from omni_backend.engine.sequence import PromptEmbeds, PromptPositions, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +132,16 @@ class LLMEngine:
         return self.runner.model.embed_tokens.weight.shape[1]
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt_embeds: PromptEmbeds | None = None) -> Sequence:
+                      prompt_embeds: PromptEmbeds | None = None,
+                      prompt_positions: PromptPositions | None = None) -> Sequence:
         """A request checked against this engine, as the Sequence `add_sequence` queues. It reads only what never
         changes after construction, so another thread than the engine loop's may call it (the llm stage does, to
         refuse a request before it is queued).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, prompt embeddings of the wrong shape
-                or at positions outside the prompt, or more tokens than the whole KV cache holds.
+                or at positions outside the prompt, M-RoPE position ids for a model without M-RoPE or of the wrong
+                shape or range (`PromptPositions.check`), or more tokens than the whole KV cache holds.
             ContextLengthExceeded: prompt + max_tokens over max_model_len.
         """
         num_prompt_tokens = len(prompt_token_ids)
@@ -152,11 +154,17 @@ class LLMEngine:
         if prompt_embeds is not None:
             prompt_embeds.check(num_prompt_tokens, self.hidden_size)
         check_context_length(self.config.max_model_len, num_prompt_tokens, params.max_tokens)
+        if prompt_positions is not None:
+            model = self.runner.model
+            if model.position_rows == 1:
+                raise ValueError(f"prompt_positions are M-RoPE ids; {self.runner.language_model.name} takes a "
+                                 f"token's index as its position")
+            prompt_positions.check(num_prompt_tokens, params.max_tokens, model.max_positions)
         total = num_prompt_tokens + params.max_tokens
         cache_tokens = self.runner.num_blocks * self.config.block_size
         if total > cache_tokens:
             raise ValueError(f"request needs {total} tokens of KV cache, the whole cache holds {cache_tokens}")
-        return Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds)
+        return Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds, prompt_positions)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request made by `make_sequence`.
@@ -171,14 +179,15 @@ class LLMEngine:
         self.requests[seq.request_id] = _RequestState(seq, detok)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt_embeds: PromptEmbeds | None = None) -> None:
+                    prompt_embeds: PromptEmbeds | None = None,
+                    prompt_positions: PromptPositions | None = None) -> None:
         """`add_sequence(make_sequence(...))`: queue a request; `prompt_embeds` replaces the token embeddings at
-        given prompt positions.
+        given prompt positions; `prompt_positions` are the prompt's M-RoPE ids (models that read them).
 
         Raises:
             what `make_sequence` and `add_sequence` raise.
         """
-        self.add_sequence(self.make_sequence(request_id, prompt_token_ids, params, prompt_embeds))
+        self.add_sequence(self.make_sequence(request_id, prompt_token_ids, params, prompt_embeds, prompt_positions))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, None if unknown."""

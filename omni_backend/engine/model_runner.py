@@ -36,7 +36,6 @@ from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
 from omni_backend.engine.models import registry
 from omni_backend.engine.models.llama import LlamaForCausalLM
-from omni_backend.engine.models.registry import Architecture
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.scheduler import ScheduledBatch
@@ -52,21 +51,6 @@ logger = logging.getLogger(__name__)
 # at an unaligned or an aligned offset.
 WARM_UP_SHAPES = ((1, 0), (2, 0), (16, 0), (1, 1), (4, 1))
 WARM_UP_PREFILL_TOKENS = 16  # per prefill sequence in a warm-up step
-
-
-def language_model_config(architecture: Architecture, model_path: str):
-    """The transformers config of the language model the engine runs: a text checkpoint's own, or a multimodal
-    checkpoint's text config (its tower and connector run in the encoder stages), with the tying of input and
-    output embeddings the top-level config decides (transformers ties them by the top level for these
-    architectures)."""
-    hf_config = AutoConfig.from_pretrained(model_path)
-    if not architecture.multimodal:
-        return hf_config
-    text_config = hf_config.get_text_config()
-    tie = getattr(hf_config, "tie_word_embeddings", None)
-    if tie is not None:
-        text_config.tie_word_embeddings = bool(tie)
-    return text_config
 
 
 class ModelRunner:
@@ -101,9 +85,12 @@ class ModelRunner:
                 torch.set_num_threads(config.cpu_threads)
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
         self.architecture = checkpoints.architecture(config.model_path)  # before transformers reads the config
-        hf_config = language_model_config(self.architecture, config.model_path)
+        checkpoint_config = AutoConfig.from_pretrained(config.model_path)
+        self.language_model = registry.language_model(self.architecture,
+                                                      checkpoint_config.get_text_config().model_type)
+        self.model_class = registry.load(self.language_model.model)
+        hf_config = self.model_class.language_model_config(checkpoint_config, self.architecture.multimodal)
         self.hf_config = hf_config
-        self.language_model = registry.language_model(self.architecture, hf_config.model_type)
         self.dtype = select_dtype("float32" if config.quantization != "none" else config.dtype,
                                   self.device.torch_device)
         self.num_q_heads = hf_config.num_attention_heads
@@ -160,9 +147,8 @@ class ModelRunner:
         """The registry's model class built on the meta device, cast there (free), then materialised on the
         engine's device in its final dtype and loaded: device memory never holds a float32 copy of bf16/fp16
         weights."""
-        model_class = registry.load(self.language_model.model)
         with torch.device("meta"):
-            model = model_class(self.hf_config, self.attention, max_positions)
+            model = self.model_class(self.hf_config, self.attention, max_positions)
         model = model.to(self.dtype).to_empty(device=self.device.torch_device)
         model.place_rope_cache(self.device.torch_device)
         model.load_weights(self.config.model_path, self.architecture.weight_prefixes)

@@ -8,7 +8,10 @@ blocks have names already in the cache reuses them and prefills only the rest.
 Token ids alone do not always determine the KV: an image or audio clip enters the prompt as a run of identical
 placeholder ids whose embeddings (the encoder's output) differ per image. A block that holds such positions adds
 an extra key to its name: the positions (relative to the block) and the bytes of the embeddings that replace them.
-Different images with the same placeholder ids therefore never share a block.
+Different images with the same placeholder ids therefore never share a block. A prompt with M-RoPE position ids
+(t, h, w rows that differ from the token index: images, video, audio in Qwen2.5-Omni) adds the ids of the block's
+positions too, so that the same embeddings at other grid positions never share a block; the blocks after the
+prompt are rotated by ids the prompt's blocks, named before them in the chain, determine.
 
 The hash is BLAKE2b with a 16-byte digest (RFC 7693): collisions are not a practical concern at 2^64 work, so a
 name stands for its content and the cache never compares token ids on a hit.
@@ -21,7 +24,7 @@ from array import array
 
 import torch
 
-from omni_backend.engine.sequence import PromptEmbeds, Sequence
+from omni_backend.engine.sequence import PromptEmbeds, PromptPositions, Sequence
 
 DIGEST_BYTES = 16
 
@@ -58,6 +61,16 @@ def embeds_key(prompt_embeds: PromptEmbeds | None, start: int, end: int) -> byte
             + values.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
 
 
+def positions_key(prompt_positions: PromptPositions | None, start: int, end: int) -> bytes:
+    """The extra key of positions [start, end) of a prompt with M-RoPE position ids: their count, then their t, h
+    and w rows, as int64 bytes (b"" for a prompt whose ids are its token indices). It goes first in the extra key,
+    so its length prefix keeps it apart from the embedding key after it."""
+    if prompt_positions is None:
+        return b""
+    rows = prompt_positions.positions[:, start:end]
+    return array("q", [rows.shape[1]]).tobytes() + rows.contiguous().numpy().tobytes()
+
+
 def block_name(seq: Sequence, index: int, block_size: int) -> bytes:
     """The name of `seq`'s block `index` (full of known token ids), extending the memo `seq.block_hashes` up to it
     (token ids only ever grow at the end, so names once computed stay true). Callers that stop at the first
@@ -65,6 +78,9 @@ def block_name(seq: Sequence, index: int, block_size: int) -> bytes:
     hashes = seq.block_hashes
     while len(hashes) <= index:
         start = len(hashes) * block_size
-        extra = embeds_key(seq.prompt_embeds, start, start + block_size) if start < seq.num_prompt_tokens else b""
+        extra = b""
+        if start < seq.num_prompt_tokens:
+            extra = (positions_key(seq.prompt_positions, start, start + block_size)
+                     + embeds_key(seq.prompt_embeds, start, start + block_size))
         hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids[start:start + block_size], extra))
     return hashes[index]

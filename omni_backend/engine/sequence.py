@@ -45,6 +45,43 @@ class PromptEmbeds:
         return self.positions[keep] - start, self.embeds[keep]
 
 
+class PromptPositions:
+    """The M-RoPE position ids of a prompt (models whose `position_rows` is 3, models/qwen2_5_omni.py): a (t, h, w)
+    row of ids per prompt token, equal for text, a patch's grid position for an image or a video, time-aligned for
+    audio and video (transformers' `get_rope_index`).
+
+    Args:
+        positions: int64 [3, n] for the n prompt tokens.
+
+    Attributes:
+        delta: max id + 1 - n. A token at index i >= n (a generated one) has the three equal ids i + delta, as
+            transformers continues with its `rope_deltas`.
+    """
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions.to(torch.int64)
+        self.delta = int(self.positions.max()) + 1 - self.positions.shape[1] if self.positions.numel() else 0
+
+    def check(self, num_prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        """Raises ValueError when the ids are not [3, num_prompt_tokens], one is negative, or the ids of the prompt
+        and `max_tokens` generated tokens reach `limit` (the model's RoPE table)."""
+        if self.positions.dim() != 2 or tuple(self.positions.shape) != (3, num_prompt_tokens):
+            raise ValueError(f"prompt_positions must be [3, {num_prompt_tokens}] (t, h, w ids per prompt token), "
+                             f"got {list(self.positions.shape)}")
+        if self.positions.min() < 0:
+            raise ValueError("prompt_positions must not be negative")
+        last = num_prompt_tokens + max_tokens - 1 + self.delta
+        if max(int(self.positions.max()), last) >= limit:
+            raise ValueError(f"position ids reach {max(int(self.positions.max()), last)}, beyond the model's "
+                             f"{limit} rotary positions")
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """The ids [3, end - start] of token indices [start, end): the prompt's, then generated tokens' i + delta."""
+        prompt = self.positions[:, start:end]
+        after = torch.arange(min(max(start, self.positions.shape[1]), end), end, dtype=torch.int64) + self.delta
+        return torch.cat([prompt, after.expand(3, -1)], dim=1)
+
+
 class Sequence:
     """A request inside the engine.
 
@@ -54,6 +91,7 @@ class Sequence:
 
     Attributes:
         block_table: KV-cache block ids, host copy (the device copy is a row of the block-table pool).
+        prompt_positions: the prompt's M-RoPE position ids, or None where every token's position is its index.
         block_hashes: names of the sequence's full blocks computed so far (prefix_cache.py), a memo.
         num_registered_blocks: leading blocks of `block_table` already offered to the prefix cache.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache when the sequence was first admitted
@@ -65,8 +103,9 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
-                 prompt_embeds: "PromptEmbeds | None" = None):
+                 prompt_embeds: "PromptEmbeds | None" = None, prompt_positions: PromptPositions | None = None):
         self.prompt_embeds = prompt_embeds
+        self.prompt_positions = prompt_positions
         self.request_id = request_id
         self.params = params
         self.arrival = arrival
@@ -101,6 +140,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def position_ids(self, start: int, end: int) -> range | None:
+        """The 1-D position ids of token indices [start, end), or None where they are M-RoPE rows that differ
+        (a range inside a prompt with `prompt_positions`: `prompt_positions.rows`)."""
+        if self.prompt_positions is None:
+            return range(start, end)
+        if start < self.num_prompt_tokens:
+            return None
+        delta = self.prompt_positions.delta
+        return range(start + delta, end + delta)
 
     @property
     def is_finished(self) -> bool:

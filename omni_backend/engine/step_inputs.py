@@ -23,7 +23,9 @@ class StepInputs:
     """One step's inputs on the engine device (tokens: prefill chunks first, then one token per decode).
 
     Attributes:
-        input_ids, positions, slot_mapping: int64 [T].
+        input_ids, slot_mapping: int64 [T].
+        positions: int64 [T], or [3, T] (M-RoPE t/h/w rows; 1-D ids repeated) when a prefill chunk of a prompt with
+            `prompt_positions` is in the step.
         pool_rows: int64 [S], each sequence's row in the block-table pool.
         context_lens: int32 [S], KV length of each sequence including this step's tokens.
         prefill_query_start_loc: int32 [P + 1] cumulative query lengths of the P prefill sequences (None if P = 0).
@@ -57,9 +59,9 @@ class StepInputs:
 
 
 def staging_capacity(max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """int64 elements one step needs at most: 3 per token (id, position, slot), 4 per sequence (pool row,
-    context length, query start, logit row) and one more query start."""
-    return 3 * max_num_batched_tokens + 4 * max_num_seqs + 1
+    """int64 elements one step needs at most: 5 per token (id, three position rows, slot), 4 per sequence (pool
+    row, context length, query start, logit row) and one more query start."""
+    return 5 * max_num_batched_tokens + 4 * max_num_seqs + 1
 
 
 def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: HostToDeviceStaging) -> StepInputs:
@@ -74,6 +76,7 @@ def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: Ho
     sampled: list[Sequence] = []
     embed_rows: list[torch.Tensor] = []
     embed_values: list[torch.Tensor] = []
+    mrope_rows: list[tuple[int, torch.Tensor]] = []  # (first token index in the step, [3, count] ids)
     block_size, num_prefills = block_manager.block_size, batch.num_prefills
     for seq, count in zip(batch.seqs, batch.num_tokens):
         start = seq.num_computed_tokens
@@ -82,8 +85,12 @@ def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: Ho
             offsets, values = seq.prompt_embeds.in_range(start, end)
             embed_rows.append(offsets + len(token_ids))
             embed_values.append(values)
+        ids = seq.position_ids(start, end)
+        if ids is None:
+            mrope_rows.append((len(token_ids), seq.prompt_positions.rows(start, end)))
+            ids = range(start, end)
+        positions.extend(ids)
         token_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         rows.append(seq.pool_row)
@@ -93,8 +100,15 @@ def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: Ho
             logit_rows.append(len(token_ids) - 1)
             sampled.append(seq)
     prefill_starts = query_start[:num_prefills + 1] if num_prefills else []
+    if mrope_rows:
+        grid = torch.tensor(positions, dtype=torch.int64).expand(3, -1).clone()
+        for offset, block in mrope_rows:
+            grid[:, offset:offset + block.shape[1]] = block
+        positions = grid.flatten().tolist()
     ids_t, pos_t, slots_t, rows_t, ctx_t, qsl_t, logit_t = staging.upload(
         [token_ids, positions, slots, rows, context_lens, prefill_starts, logit_rows])
+    if mrope_rows:
+        pos_t = pos_t.view(3, -1)
     return StepInputs(
         input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, pool_rows=rows_t,
         context_lens=ctx_t.to(torch.int32),

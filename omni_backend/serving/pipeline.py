@@ -30,6 +30,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from omni_backend import tensor_names as T
 from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
@@ -307,6 +308,9 @@ class TritonPipeline(TritonGrpcUser):
         extra = {}
         if result.as_numpy("media_parts") is not None:
             extra = await self._encode_media(result, prompt_field, request_id)
+        rope = result.as_numpy(T.PROMPT_POSITIONS)
+        if rope is not None and rope.size:  # M-RoPE ids of a prompt with media (Qwen2.5-Omni)
+            extra[T.PROMPT_POSITIONS] = rope
         return Prepared(tensors, prompt_tokens, prompt_text, extra=extra)
 
     async def _encode_media(self, result, prompt_field: str, request_id: str) -> dict[str, np.ndarray]:

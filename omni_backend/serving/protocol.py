@@ -37,7 +37,7 @@ from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES, FieldError
 
 MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on `logprobs`
-MEDIA_PARTS = ("image_url", "input_audio")  # content parts sent on to preprocess, which decodes them
+MEDIA_PARTS = ("image_url", "input_audio", "video_url")  # content parts sent on to preprocess, which decodes them
 CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI's name -> tts_audio's
 
 
@@ -288,7 +288,7 @@ class ChatCompletionRequest(_Request):
 
     def messages_json(self) -> list[dict]:
         """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
-        input_audio parts; preprocess decodes the media and answers 400 naming the part for bad media).
+        input_audio / video_url parts; preprocess decodes the media and answers 400 naming the part for bad media).
 
         Raises:
             OpenAIError: a content part of another type (input_image, file, ...), naming it.
@@ -306,9 +306,9 @@ class ChatCompletionRequest(_Request):
                             raise invalid(f"{where} ({kind}) must have an object '{kind}'", where)
                         parts.append({"type": kind, kind: part[kind]})
                         continue
-                    if kind in ("input_image", "file", "video_url", "audio_url"):
+                    if kind in ("input_image", "file", "audio_url"):
                         raise invalid(f"{where}: content part type '{kind}' is not supported by this server "
-                                      "(text, image_url and input_audio are)", where)
+                                      "(text, image_url, input_audio and video_url are)", where)
                     if kind != "text" or not isinstance(part.get("text"), str):
                         raise invalid(f"{where} must be {{\"type\": \"text\", \"text\": string}}", where)
                     parts.append({"type": "text", "text": part["text"]})

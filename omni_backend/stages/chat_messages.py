@@ -9,7 +9,8 @@ from typing import Callable
 from omni_backend import tensor_names as T
 from omni_backend.vocabulary import FieldError
 
-MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio"}  # a content part's type -> its media kind
+# a content part's type -> its media kind
+MEDIA_PART_TYPES = {"image_url": "image", "input_audio": "audio", "video_url": "video"}
 
 
 def parse_messages(text: str) -> list[dict]:
@@ -23,10 +24,10 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
     """Parse an OpenAI-style messages JSON array into `[{"role": str, "content": str}, ...]` and its media parts.
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
-    `marker` is given, `image_url` / `input_audio` parts, each written into the content as `marker` and returned
-    (in order) as `{"kind": "image"|"audio", "part": <the part>, "slot": <its entry in the kept parts>, "field":
+    `marker` is given, `image_url` / `input_audio` / `video_url` parts, each written into the content as `marker`
+    and returned (in order) as `{"kind": "image"|"audio"|"video", "part": <the part>, "slot": <its entry in the kept parts>, "field":
     "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of parts transformers'
-    multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"}` in place of
+    multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"|"video"}` in place of
     each media part. Every string the client wrote (roles, contents, text parts) goes through `as_text`
     (`ChatTemplate.mark`, so that its control-token strings stay text).
 
@@ -62,7 +63,7 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
                     continue
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise FieldError(f"{where}.content[{part_index}]", "must be {\"type\": \"text\", \"text\": string}"
-                                     + ("" if marker is None else " or an image_url / input_audio part"))
+                                     + ("" if marker is None else " or an image_url / input_audio / video_url part"))
                 texts.append(as_text(part["text"]))
                 parts.append({"type": "text", "text": texts[-1]})
             content = parts if keep_parts else "\n".join(texts)

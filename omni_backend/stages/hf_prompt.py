@@ -40,16 +40,21 @@ class ProcessorPrompt:
 
     kind = ""
 
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The media kinds the processor reads (one for most checkpoints)."""
+        return frozenset({self.kind})
+
     def __init__(self, folder: str | Path, architecture: Architecture):
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
-        self.token_id = int(checkpoints.read_config(folder)[architecture.placeholders[self.kind]])
+        self.token_id = int(checkpoints.config_value(folder, architecture.placeholders[self.kind]))
         extractor = getattr(self.processor, "feature_extractor", None)
         self.sampling_rate = int(getattr(extractor, "sampling_rate", 16_000))
         self.chat = ChatTemplate(self.processor.tokenizer, self.processor)
         self._media_token = getattr(self.processor, f"{self.kind}_token")  # its image_token / audio_token
-        self._added = _added_around(self.processor.tokenizer)
+        self._added = added_around(self.processor.tokenizer)
 
     def render(self, messages: list[dict], media: list, add_generation_prompt: bool = True,
                continue_final_message: bool = False) -> tuple[list[int], list[dict], np.ndarray,
@@ -121,7 +126,7 @@ def pixel_items(encoded: dict) -> dict[str, np.ndarray]:
     return {T.PIXEL_VALUES: pixels.reshape(-1, *pixels.shape[-3:])}
 
 
-def _added_around(tokenizer) -> tuple[list[int], list[int]]:
+def added_around(tokenizer) -> tuple[list[int], list[int]]:
     """The ids a tokenizer adds before and after one text (e.g. Llama's BOS), which a processor's own call adds."""
     bare = tokenizer("a", add_special_tokens=False).input_ids
     full = tokenizer("a").input_ids

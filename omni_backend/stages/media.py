@@ -1,4 +1,4 @@
-"""Media decoding and limits for image and audio content parts (used by the preprocess stage).
+"""Media decoding and limits for image, audio and video content parts (used by the preprocess stage).
 
 Images arrive as `data:` URIs (PNG, JPEG, WebP or GIF; http(s) URLs only when `allow_http` is set, off by default)
 and pass one decode step (`open_image` -> `to_rgb`) whatever reads them next, so every model sees the picture an
@@ -7,7 +7,10 @@ converted to 8-bit RGB, an animation's first frame. The project vision encoder's
 encoder's square size with bicubic filtering and normalized with its mean/std, as SigLIP's image processor does
 (`decode_image`); a checkpoint's own processor takes the RGB image (`hf_prompt`). Audio arrives base64-encoded
 (WAV, FLAC, OGG and MP3, recognized by content with libsndfile through `soundfile`), must hold only finite
-samples, is clipped to full scale, mixed to mono and resampled to 16 kHz.
+samples, is clipped to full scale, mixed to mono and resampled to 16 kHz. Video arrives as a `data:` URI or, when the
+operator allows a folder, a `file://` path inside it; PyAV (FFmpeg's demuxers and decoders) reads the container,
+the frames the model's processor samples go through the same `to_rgb` as images, and its first audio track can be
+decoded to 16 kHz mono (`decode_video`).
 
 Every bad input raises `ValueError` whose message names the content part (e.g. `messages[0].content[1]`) and,
 for oversize media, the limit; nothing else escapes, so the caller answers 400 and stays healthy.
@@ -55,7 +58,12 @@ class MediaLimits(SettingGroup):
                                     "here; smaller images of any size are resized to the encoder's input)", low=1)
     max_audio_bytes: int = setting(10 * 1024 * 1024, "encoded size of one audio clip, bytes", low=1)
     max_audio_seconds: float = setting(30.0, "duration of one audio clip, s", low=0.0, low_open=True)
-    max_media_parts: int = setting(8, "image + audio parts in one request", low=1)
+    max_video_bytes: int = setting(64 * 1024 * 1024, "encoded size of one video, bytes", low=1)
+    max_video_seconds: float = setting(60.0, "duration of one video, s", low=0.0, low_open=True)
+    max_video_frames: int = setting(128, "frames one video gives the model (its processor samples them at its fps)",
+                                    low=1)
+    max_video_pixels: int = setting(3840 * 2160, "width x height of a video's frames", low=1)
+    max_media_parts: int = setting(8, "image + audio + video parts in one request", low=1)
     allow_http: bool = setting(False, "fetch http(s) image URLs (off: the server would fetch arbitrary URLs)")
 
 
@@ -276,3 +284,146 @@ def resample(samples: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.nd
     out = np.zeros(keep, dtype=np.complex128)
     out[: min(keep, spectrum.size)] = spectrum[: min(keep, spectrum.size)]
     return (np.fft.irfft(out, n_out) * (n_out / samples.size)).astype(np.float32)
+
+
+@dataclass
+class DecodedVideo:
+    """A video as a model's processor takes it.
+
+    Attributes:
+        frames: the sampled frames, RGB `PIL.Image`s in order (`to_rgb`).
+        total_frames: frames the video holds; fps: its frame rate, frames/s.
+        audio: its first audio track as float32 mono samples at 16 kHz, when asked for and present, else None.
+    """
+
+    frames: list
+    total_frames: int
+    fps: float
+    audio: np.ndarray | None = None
+
+
+def video_bytes_from_url(url: str, where: str, limits: MediaLimits, allowed_folder: str = "") -> bytes:
+    """The encoded video of a `video_url.url`: a base64 `data:` URI, or a `file://` path inside `allowed_folder`
+    (the operator's `allowed_local_media_path`; empty: no local files), symbolic links resolved before the check.
+
+    Raises:
+        ValueError: malformed URI, bad base64, a path outside the allowed folder or not a readable file, another
+            scheme, or more than `max_video_bytes`.
+    """
+    import os
+
+    too_large = f"{where}: video is larger than the limit of {_mb(limits.max_video_bytes)}"
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or ";base64" not in header:
+            raise ValueError(f"{where}: video_url must be a base64 data URI (data:video/mp4;base64,...)")
+        if len(payload) * 3 // 4 > limits.max_video_bytes + 3:
+            raise ValueError(too_large)
+        data = _b64decode(payload, where)
+    elif url.startswith("file://"):
+        if not allowed_folder:
+            raise ValueError(f"{where}: local video files are disabled on this server; send a data: URI")
+        root = os.path.realpath(allowed_folder)
+        path = os.path.realpath(urllib.request.url2pathname(url.removeprefix("file://")))
+        if os.path.commonpath([root, path]) != root:
+            raise ValueError(f"{where}: the video path is outside the folder this server allows")
+        try:
+            if os.path.getsize(path) > limits.max_video_bytes:
+                raise ValueError(too_large)
+            with open(path, "rb") as handle:
+                data = handle.read(limits.max_video_bytes + 1)
+        except OSError:
+            raise ValueError(f"{where}: the video file cannot be read") from None
+    else:
+        raise ValueError(f"{where}: video_url must be a data: URI" + (" or a file:// path" if allowed_folder else ""))
+    if len(data) > limits.max_video_bytes:
+        raise ValueError(too_large)
+    return data
+
+
+def decode_video(data: bytes, where: str, limits: MediaLimits, pick, audio: bool = False) -> DecodedVideo:
+    """Encoded video (any container and codec FFmpeg reads: MP4, WebM, Matroska, ...) -> the frames `pick` chooses
+    and, with `audio`, its first audio track (`DecodedVideo`).
+
+    Args:
+        pick: (total frames, fps) -> the indices of the frames the model's processor samples, in order; it raises
+            ValueError for a video it cannot sample (too short).
+        audio: decode the first audio track too (a video without one gives `audio` None).
+
+    Raises:
+        ValueError: data no FFmpeg demuxer reads, no video track, frames over `max_video_pixels`, a duration over
+            `max_video_seconds`, more sampled frames than `max_video_frames`, damaged frames, or non-finite audio;
+            every message names the part and none the library's internals.
+    """
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise ValueError(f"{where}: the file has no video track")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > limits.max_video_pixels:
+                raise ValueError(f"{where}: video frames have {width}x{height} pixels, over the limit of "
+                                 f"{limits.max_video_pixels} pixels")
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            if fps <= 0:
+                raise ValueError(f"{where}: the video has no frame rate")
+            total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            seconds = total / fps
+            if seconds > limits.max_video_seconds:
+                raise ValueError(f"{where}: video lasts {seconds:.1f} s, over the limit of "
+                                 f"{limits.max_video_seconds:g} s")
+            try:
+                indices = list(pick(total, fps))
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            if len(indices) > limits.max_video_frames:
+                raise ValueError(f"{where}: the model samples {len(indices)} frames of this video, over the limit of "
+                                 f"{limits.max_video_frames} frames")
+            wanted = {}
+            for index in indices:
+                wanted.setdefault(index, len(wanted))
+            container.seek(0)
+            found: dict[int, object] = {}
+            for number, frame in enumerate(container.decode(stream)):
+                if number in wanted:
+                    found[number] = to_rgb(frame.to_image(), where)
+                if number >= indices[-1]:
+                    break
+            if len(found) != len(wanted):
+                raise ValueError(f"{where}: the video is damaged (fewer frames decode than its header declares)")
+            samples = _audio_track(container, where) if audio and container.streams.audio else None
+    except av.FFmpegError:  # before ValueError: PyAV's InvalidDataError is one, its message the library's
+        raise ValueError(f"{where}: unsupported or damaged video (send MP4, WebM or Matroska)") from None
+    except ValueError:
+        raise
+    except Exception:  # whatever else a demuxer or decoder raises on data it cannot read
+        raise ValueError(f"{where}: unsupported or damaged video (send MP4, WebM or Matroska)") from None
+    if samples is not None and samples.size / SAMPLE_RATE > limits.max_video_seconds + 1:
+        raise ValueError(f"{where}: the video's audio lasts {samples.size / SAMPLE_RATE:.1f} s, over the limit of "
+                         f"{limits.max_video_seconds:g} s")
+    return DecodedVideo([found[i] for i in indices], total, fps, samples)
+
+
+def _audio_track(container, where: str) -> np.ndarray | None:
+    """The container's first audio track as float32 mono at SAMPLE_RATE (FFmpeg's resampler), clipped to full
+    scale; None when it holds no sample.
+
+    Raises:
+        ValueError: non-finite samples.
+    """
+    import av
+
+    container.seek(0)
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    chunks = []
+    for frame in container.decode(container.streams.audio[0]):
+        chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(frame)]
+    chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    if not chunks:
+        return None
+    samples = np.concatenate(chunks).astype(np.float32)
+    if not np.isfinite(samples).all():
+        raise ValueError(f"{where}: the video's audio has non-finite samples (NaN or infinity)")
+    return np.clip(samples, -1.0, 1.0)

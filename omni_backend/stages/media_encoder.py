@@ -25,8 +25,9 @@ from omni_backend.stages.triton_glue import StageModel
 from omni_backend.vocabulary import FieldError
 
 # The encoder model and its item input of each media kind (model_repository/{vision,audio}_encoder); an audio
-# item also carries its valid mel frames as `input_lengths`.
-ENCODERS = {"image": ("vision_encoder", T.PIXEL_VALUES), "audio": ("audio_encoder", T.INPUT_FEATURES)}
+# item also carries its valid mel frames as `input_lengths`. A video's frames are vision items.
+ENCODERS = {"image": ("vision_encoder", T.PIXEL_VALUES), "audio": ("audio_encoder", T.INPUT_FEATURES),
+            "video": ("vision_encoder", T.PIXEL_VALUES)}
 
 
 def save_encoder(model, folder: Path, placeholder_token: str) -> None:
@@ -222,30 +223,34 @@ class EncoderCall:
 
 def encoder_calls(parts: list[dict], pixel_values: np.ndarray | None,
                   input_features: np.ndarray | None) -> list[EncoderCall]:
-    """The encoder requests of a preprocessed request: one per item (an image crop, an image or a clip), in
-    order, so the encoders' dynamic batchers merge items across requests.
+    """The encoder requests of a preprocessed request: one per item (an image crop, an image, a clip, a video's
+    temporal patch), in order, so the encoders' dynamic batchers merge items across requests.
 
     Args:
-        parts: preprocess's `media_parts` (`kind`, `tokens`, `items` (default 1), audio `frames`).
-        pixel_values, input_features: preprocess's item tensors [items, ...] of each kind.
+        parts: preprocess's `media_parts` (`kind`, `tokens`, `items` (default 1), audio `frames`, and `size`
+            where the items of a part fill only the leading [rows, cols] of their zero-padded tensor rows).
+        pixel_values, input_features: preprocess's item tensors [items, ...]; images and videos share
+            pixel_values, in part order.
 
     Raises:
         ValueError: more items named by the parts than the tensors hold.
     """
-    arrays = {"image": pixel_values, "audio": input_features}  # by media kind
-    seen = {"image": 0, "audio": 0}
+    arrays = {T.PIXEL_VALUES: pixel_values, T.INPUT_FEATURES: input_features}
+    seen = dict.fromkeys(arrays, 0)
     calls = []
     for index, part in enumerate(parts):
         kind = part["kind"]
         model, name = ENCODERS[kind]
+        crop = tuple(slice(0, int(n)) for n in part.get("size", ()))
         for _ in range(int(part.get("items", 1))):
-            array = arrays[kind]
-            if array is None or seen[kind] >= array.shape[0]:
+            array = arrays[name]
+            if array is None or seen[name] >= array.shape[0]:
                 raise ValueError(f"media_parts names more {kind} items than {name} holds")
-            inputs = {name: np.ascontiguousarray(array[seen[kind]:seen[kind] + 1], dtype=np.float32)}
+            item = array[seen[name]:seen[name] + 1][(slice(None), *crop)]
+            inputs = {name: np.ascontiguousarray(item, dtype=np.float32)}
             if kind == "audio":
                 inputs[T.INPUT_LENGTHS] = np.asarray([[int(part["frames"])]], dtype=np.int32)
-            seen[kind] += 1
+            seen[name] += 1
             calls.append(EncoderCall(index, model, inputs))
     return calls
 

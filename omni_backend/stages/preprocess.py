@@ -75,6 +75,9 @@ class PreprocessSettings(SettingGroup):
         False, "true: control-token strings (<|im_end|>, ...) in a plain-text prompt (completions' prompt, a "
         "text_input that is no messages array) become those tokens; false: they are text. Chat messages are always "
         "text (docs/api.md)")
+    allowed_local_media_path: str = setting(
+        "", "a folder whose files video_url parts may name as file:// URLs (vLLM's --allowed-local-media-path); "
+        "empty: none, videos come as data: URIs")
 
 
 class Preprocessor:
@@ -87,18 +90,20 @@ class Preprocessor:
         allow_special_tokens: a plain-text prompt's control-token strings ("<|im_end|>") become those tokens, as
             the operator setting `completions_allow_special_tokens` asks; off (the default), they are text like the
             rest. Chat messages are always text: only the chat template writes control tokens.
+        allowed_local_media_path: the folder whose files video parts may name (`file://`); "" for none.
     """
 
     input_names = INPUT_NAMES  # the model's inputs (triton_glue.StageModel)
 
     def __init__(self, tokenizer, max_model_len: int, media: MediaConfig | None = None,
-                 allow_special_tokens: bool = False):
+                 allow_special_tokens: bool = False, allowed_local_media_path: str = ""):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.media = media
         self.allow_special_tokens = allow_special_tokens
+        self.allowed_local_media_path = allowed_local_media_path
         self._marker = "<omni-media-" + secrets.token_hex(8) + ">"  # never typed by a client
         if media is not None and media.prompt is not None:
             self.chat = media.prompt.chat
@@ -107,12 +112,12 @@ class Preprocessor:
 
     @classmethod
     def from_pretrained(cls, model_path: str, max_model_len: int, media: MediaConfig | None = None,
-                        allow_special_tokens: bool = False) -> "Preprocessor":
+                        allow_special_tokens: bool = False, allowed_local_media_path: str = "") -> "Preprocessor":
         """Load the tokenizer from a local checkpoint folder (offline; no hub lookups)."""
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(model_path, local_files_only=True), max_model_len, media,
-                   allow_special_tokens)
+                   allow_special_tokens, allowed_local_media_path)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "Preprocessor":
@@ -129,7 +134,7 @@ class Preprocessor:
         max_model_len = parse_field(EngineConfig, "max_model_len", parameters.get("max_model_len"))
         own = PreprocessSettings.from_strings(parameters)
         return cls.from_pretrained(model_path, max_model_len, MediaConfig.from_parameters(parameters),
-                                   own.completions_allow_special_tokens)
+                                   own.completions_allow_special_tokens, own.allowed_local_media_path)
 
     def tokenize_text(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt (with the tokens the tokenizer adds around a text, e.g. a BOS);
@@ -196,12 +201,12 @@ class Preprocessor:
         messages, media = parse_chat(text, self._marker, keep_parts=True, as_text=self.chat.mark)
         check_template_flags(messages, add_generation_prompt, continue_final_message)
         if len(media) > limits.max_media_parts:
-            raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
+            raise FieldError(media[limits.max_media_parts]["field"], f"(too many media parts: {len(media)}; "
                              f"the limit is {limits.max_media_parts} per request)")
         own = []
         for item in media:
             try:
-                if item["kind"] == prompt.kind:
+                if item["kind"] in prompt.kinds:
                     own.append(self._processor_media(item))
                 else:
                     self._decode_part(item)
@@ -240,19 +245,35 @@ class Preprocessor:
         }
 
     def _processor_media(self, item: dict):
-        """An image (RGB `PIL.Image`) or clip (float32 samples at the processor's rate) for the processor.
+        """An image (RGB `PIL.Image`), clip (float32 samples at the processor's rate) or video (`media.DecodedVideo`
+        of the frames the processor samples, with its audio track at the processor's rate when the part's
+        `use_audio_in_video` asks) for the processor.
 
         Raises:
-            ValueError: what the media decoders raise (`omni_backend.stages.media`).
+            ValueError: what the media decoders raise (`omni_backend.stages.media`), or a malformed video part.
         """
         from omni_backend.stages import media as decoding
 
         label = f"{item['field']} ({item['part'].get('type')})"
+        rate = self.media.prompt.sampling_rate
         if item["kind"] == "image":
             return decoding.open_image(self._image_bytes(item, label), label, self.media.limits,
                                        draft_size=decoding.LARGE_IMAGE_DRAFT)
+        if item["kind"] == "video":
+            body = item["part"].get("video_url")
+            body = {"url": body} if isinstance(body, str) else body
+            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+                raise ValueError(f"{label}: video_url.url must be a string")
+            with_audio = body.get("use_audio_in_video", False)
+            if not isinstance(with_audio, bool):
+                raise ValueError(f"{label}: video_url.use_audio_in_video must be true or false")
+            data = decoding.video_bytes_from_url(body["url"], label, self.media.limits, self.allowed_local_media_path)
+            video = decoding.decode_video(data, label, self.media.limits, self.media.prompt.pick_frames, with_audio)
+            if video.audio is not None:
+                video.audio = decoding.resample(video.audio, decoding.SAMPLE_RATE, rate)
+            return video
         samples = decoding.decode_audio(self._audio_data(item, label), label, self.media.limits)
-        return decoding.resample(samples, decoding.SAMPLE_RATE, self.media.prompt.sampling_rate)
+        return decoding.resample(samples, decoding.SAMPLE_RATE, rate)
 
     def _image_bytes(self, item: dict, label: str) -> bytes:
         """The encoded image of an image_url part.
@@ -289,7 +310,7 @@ class Preprocessor:
         """
         limits = self.media.limits
         if len(media) > limits.max_media_parts:
-            raise FieldError(media[limits.max_media_parts]["field"], f"(too many image/audio parts: {len(media)}; "
+            raise FieldError(media[limits.max_media_parts]["field"], f"(too many media parts: {len(media)}; "
                              f"the limit is {limits.max_media_parts} per request)")
         for item in media:
             field = item["field"]

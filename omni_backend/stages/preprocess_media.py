@@ -11,7 +11,7 @@ from omni_backend import tensor_names as T
 from omni_backend.settings import parse_field
 from omni_backend.stages.tensors import string_tensor
 
-MEDIA_OUTPUT_NAMES = (T.PIXEL_VALUES, T.INPUT_FEATURES, T.MEDIA_PARTS, T.MEDIA_POSITIONS)
+MEDIA_OUTPUT_NAMES = (T.PIXEL_VALUES, T.INPUT_FEATURES, T.MEDIA_PARTS, T.MEDIA_POSITIONS, T.PROMPT_POSITIONS)
 ENCODER_INPUTS = {"image": T.PIXEL_VALUES, "audio": T.INPUT_FEATURES}  # the media output holding each kind's items
 
 
@@ -59,12 +59,13 @@ class MediaConfig:
 
 
 def empty_media_outputs(specs: dict) -> dict[str, np.ndarray]:
-    """Media outputs of a request without media (zero items, zero placeholders)."""
+    """Media outputs of a request without media (zero items, zero placeholders, no M-RoPE ids: [3, 0])."""
     image = specs["image"].processor["image_size"] if "image" in specs else 224
     audio = specs["audio"].processor if "audio" in specs else {"feature_size": 80, "max_frames": 3000}
     return {
         T.MEDIA_PARTS: string_tensor("[]"),
         T.MEDIA_POSITIONS: np.zeros(0, dtype=np.int32),
+        T.PROMPT_POSITIONS: np.zeros((3, 0), dtype=np.int32),
         T.PIXEL_VALUES: np.zeros((0, 3, image, image), dtype=np.float32),
         T.INPUT_FEATURES: np.zeros((0, audio["feature_size"], audio["max_frames"]), dtype=np.float32),
     }

@@ -349,7 +349,7 @@ def test_generation_and_reset_requests_are_told_apart_by_their_inputs():
     params = np.array([SamplingParams(max_tokens=3).to_json().encode()], dtype=np.object_)
     reset = np.array([True])
     assert generation_inputs({"input_ids": ids, "sampling_params": params}) == (
-        [5, 6, 7], SamplingParams(max_tokens=3), None)
+        [5, 6, 7], SamplingParams(max_tokens=3), None, None)
     assert not is_reset_request({"input_ids": ids, "sampling_params": params})
     assert not is_reset_request({"reset_prefix_cache": np.array([False]), "input_ids": ids})
     assert is_reset_request({"reset_prefix_cache": reset})

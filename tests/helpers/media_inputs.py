@@ -94,3 +94,37 @@ def text_only_prompt_tokens(url: str) -> int:
     status, body = chat(url, {"type": "text", "text": ""})
     assert_ok(status, body)
     return body["usage"]["prompt_tokens"]
+
+
+def video_bytes(frames: np.ndarray, fps: int, samples: np.ndarray | None = None, rate: int = 16_000,
+                container: str = "matroska", codec: str = "ffv1", audio_codec: str = "pcm_s16le") -> bytes:
+    """`frames` uint8 [N, H, W, 3] at `fps` (lossless FFV1 in Matroska by default, so decoding gives them back
+    exactly) and, when given, mono float `samples` at `rate` as its audio track (16-bit PCM by default), encoded
+    with PyAV."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=container) as out:
+        video = out.add_stream(codec, rate=fps)
+        video.width, video.height = frames.shape[2], frames.shape[1]
+        video.pix_fmt = "bgr0" if codec == "ffv1" else "yuv420p"
+        audio = None
+        if samples is not None:
+            audio = out.add_stream(audio_codec, rate=rate, layout="mono")
+        for frame in frames:
+            out.mux(video.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        out.mux(video.encode(None))
+        if audio is not None:
+            pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16).reshape(1, -1)
+            chunk = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+            chunk.sample_rate = rate
+            out.mux(audio.encode(chunk))
+            out.mux(audio.encode(None))
+    return buffer.getvalue()
+
+
+def video_part(raw: bytes, mime: str = "video/x-matroska", use_audio_in_video: bool | None = None) -> dict:
+    body = {"url": data_uri(raw, mime)}
+    if use_audio_in_video is not None:
+        body["use_audio_in_video"] = use_audio_in_video
+    return {"type": "video_url", "video_url": body}

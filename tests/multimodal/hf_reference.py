@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from helpers.media_inputs import audio_bytes, audio_part, image_bytes, image_part
 
-KIND = {"idefics3": "image", "llava": "image", "qwen2_audio": "audio"}
+KIND = {"idefics3": "image", "llava": "image", "qwen2_audio": "audio"}  # one media kind each (Qwen2.5-Omni: its file)
 QUESTION = "What is this?"
 
 

@@ -17,7 +17,7 @@ from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds
-from omni_backend.setup.tiny_hf_multimodal import ARCHITECTURES, build
+from omni_backend.setup.tiny_hf_multimodal import build
 from omni_backend.stages.media_encoder import create_stage, encoder_calls, splice_embeddings
 from omni_backend.stages.preprocess import Preprocessor
 from omni_backend.stages.preprocess_media import MediaConfig
@@ -33,7 +33,7 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-multimodal")
-    return {name: str(build(name, root / name, log=lambda _: None)) for name in ARCHITECTURES}
+    return {name: str(build(name, root / name, log=lambda _: None)) for name in KIND}
 
 
 def preprocess(folder: str, chat: list[dict]) -> dict:
@@ -53,7 +53,7 @@ def encode(folder: str, kind: str, out: dict) -> dict:
     return splice_embeddings(parts, out["media_positions"], calls, outputs)
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", tuple(KIND))
 @pytest.mark.parametrize("count", [1, 2])
 def test_prompt_ids_and_embeddings_equal_transformers(folders, architecture, count):
     """Preprocess gives the processor's ids; the encoder stage gives the embeddings transformers merges into the
@@ -74,7 +74,7 @@ def test_prompt_ids_and_embeddings_equal_transformers(folders, architecture, cou
     np.testing.assert_allclose(spliced["prompt_embeds"], reference[positions], rtol=0, atol=EMBED_ATOL)
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", tuple(KIND))
 def test_greedy_generation_equals_transformers_generate(folders, architecture):
     folder, kind = folders[architecture], KIND[architecture]
     out = preprocess(folder, messages(architecture))

@@ -12,12 +12,12 @@ import time
 import pytest
 import requests
 from helpers.chat_client import stream_infer
-from hf_reference import messages, transformers_greedy, transformers_inputs, transformers_model
+from hf_reference import KIND, messages, transformers_greedy, transformers_inputs, transformers_model
 
 from omni_backend import repository
 from omni_backend.launch.ports import free_ports
 from omni_backend.launch.tritonserver import TritonServer
-from omni_backend.setup.tiny_hf_multimodal import ARCHITECTURES, build
+from omni_backend.setup.tiny_hf_multimodal import build
 
 pytestmark = pytest.mark.server
 
@@ -26,7 +26,7 @@ MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "au
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=tuple(KIND))
 def served(request, tmp_path_factory):
     """(architecture, checkpoint folder, front door URL, tritonserver) for each architecture in turn."""
     import uvicorn

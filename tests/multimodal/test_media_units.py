@@ -123,7 +123,7 @@ def test_limits_on_bytes_pixels_and_parts():
     from transformers import AutoTokenizer
 
     pre = Preprocessor(AutoTokenizer.from_pretrained(SMOLLM2), 2048, MediaConfig({"image": IMAGE_SPEC}, tight))
-    with pytest.raises(ValueError, match=r"content\[2\].*too many image/audio parts.*limit is 1"):
+    with pytest.raises(ValueError, match=r"content\[2\].*too many media parts.*limit is 1"):
         pre.run(chat(image_part(b"x"), image_part(b"y")))
     with pytest.raises(ValueError, match="no audio encoder"):
         pre.run(chat(audio_part(b"x")))

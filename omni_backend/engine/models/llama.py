@@ -75,7 +75,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM. forward: input_ids int64 [T], positions int64 [T] -> hidden [T, hidden_size]."""
+    """Decoder-only LM. forward: input_ids int64 [T], positions int64 [T] -> hidden [T, hidden_size].
+
+    Attributes:
+        position_rows: rows of a prompt's position ids the model reads: 1 (a token index), or 3 for M-RoPE models
+            (models/qwen2_5_omni.py), whose prompts may bring (t, h, w) positions.
+        max_positions: rows of the RoPE tables, the largest position id + 1 the model can rotate.
+    """
+
+    position_rows = 1
+
+    @staticmethod
+    def language_model_config(hf_config, multimodal: bool):
+        """The transformers config of the language model the engine runs, from the checkpoint's config: a text
+        checkpoint's own, or a multimodal checkpoint's text config (its tower and connector run in the encoder
+        stages), with the tying of input and output embeddings the top-level config decides (transformers ties
+        them by the top level for these architectures)."""
+        if not multimodal:
+            return hf_config
+        text_config = hf_config.get_text_config()
+        tie = getattr(hf_config, "tie_word_embeddings", None)
+        if tie is not None:
+            text_config.tie_word_embeddings = bool(tie)
+        return text_config
 
     def __init__(self, config, attention: AttentionBackend, max_positions: int):
         super().__init__()
@@ -90,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: cpu_linear.PackedLinear | None = None  # see `pack_for_cpu`
         self.cpu_forward: CpuLlamaForward | None = None  # see `use_cpu_kernels`
         # float32 tables, kept out of the parameters so dtype casts leave them alone; see `place_rope_cache`
+        self.max_positions = max_positions
         self.cos_cache, self.sin_cache = cos_sin_cache(self.layers[0].head_dim, max_positions,
                                                        rope_parameters(config))
 
@@ -108,12 +131,15 @@ class LlamaForCausalLM(nn.Module):
         if self.cpu_forward is not None:
             return self.cpu_forward(input_ids, positions, kv_caches, meta, input_embeds)
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        # RoPE runs in the activation dtype, as HF's LlamaRotaryEmbedding hands it cos/sin in x's dtype
-        cos = self.cos_cache[positions].to(x.dtype)
-        sin = self.sin_cache[positions].to(x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] in `dtype` for positions int64 [T]. RoPE runs in the activation dtype, as HF's
+        LlamaRotaryEmbedding hands it cos/sin in x's dtype."""
+        return self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)
 
     def pack_for_cpu(self, expected_rows: int) -> None:
         """Replace every projection and the output head by `cpu_linear.PackedLinear` (after `load_weights`, on

@@ -45,8 +45,10 @@ class Architecture:
         weight_prefixes: where the checkpoint keeps the language model's tensors; a stored name loses the first
             prefix it starts with (`checkpoints.text_weight_name`).
         encoders: media kind ("image", "audio") -> "module:Class" of the encoder (tower + connector) the encoder
-            stage of that kind runs; empty for a text-only architecture.
-        placeholders: media kind -> the config.json key of the token id its processor expands for one item.
+            stage of that kind runs; empty for a text-only architecture. A model that reads video runs its frames
+            through its image encoder.
+        placeholders: media kind -> the config.json key of the token id its processor expands for one item (a
+            dotted key names it inside a sub-config). A "video" kind is read by the "image" kind's encoder.
         processor: "module:Class" of the prompt processor preprocess renders its chats with (a
             `stages.hf_prompt.ProcessorPrompt`); None for a text-only architecture (the tokenizer's chat template).
     """
@@ -65,6 +67,11 @@ class Architecture:
         """Whether the checkpoint brings encoders (its language model then lives under a text config)."""
         return bool(self.encoders)
 
+    @property
+    def media_kinds(self) -> frozenset[str]:
+        """The media its prompts take: one per placeholder ("image", "audio", "video")."""
+        return frozenset(self.placeholders)
+
 
 _ENGINE = "omni_backend.engine.models"
 _STAGES = "omni_backend.stages.models"
@@ -82,6 +89,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  placeholders={"image": "image_token_index"}, processor=f"{_STAGES}.llava:LlavaPrompt"),
     Architecture("Qwen2AudioForConditionalGeneration", encoders={"audio": f"{_STAGES}.qwen2_audio:Qwen2AudioEncoder"},
                  placeholders={"audio": "audio_token_index"}, processor=f"{_STAGES}.qwen2_audio:Qwen2AudioPrompt"),
+    # Its thinker: the talker and code2wav (speech out) are not served here.
+    Architecture("Qwen2_5OmniForConditionalGeneration",
+                 model=f"{_ENGINE}.qwen2_5_omni:Qwen2_5OmniThinkerForCausalLM",
+                 weight_prefixes=("thinker.model.language_model.", "thinker.model.", "thinker."),
+                 encoders={"image": f"{_STAGES}.qwen2_5_omni:Qwen2_5OmniVisionEncoder",
+                           "audio": f"{_STAGES}.qwen2_5_omni:Qwen2_5OmniAudioEncoder"},
+                 placeholders={"image": "thinker_config.image_token_index",
+                               "audio": "thinker_config.audio_token_index",
+                               "video": "thinker_config.video_token_index"},
+                 processor=f"{_STAGES}.qwen2_5_omni:Qwen2_5OmniPrompt"),
 )}
 
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.engine.sequence import PromptEmbeds
+from omni_backend.engine.sequence import PromptEmbeds, PromptPositions
 from omni_backend.ops.governor import Governor
 from omni_backend.ops.metrics import LLMMetrics, LLMStats
 from omni_backend.stages.llm.core import EngineCore
@@ -123,10 +123,12 @@ class LLMService:
                 part.start()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: ResponseSink, prompt_embeds: PromptEmbeds | None = None) -> None:
+               sink: ResponseSink, prompt_embeds: PromptEmbeds | None = None,
+               prompt_positions: PromptPositions | None = None) -> None:
         """Accept a request; outputs go to `sink` from the response thread.
 
-        `prompt_embeds` (encoder outputs for placeholder positions) replaces those tokens' embeddings.
+        `prompt_embeds` (encoder outputs for placeholder positions) replaces those tokens' embeddings;
+        `prompt_positions` are the prompt's M-RoPE ids (a model that reads them).
 
         Raises:
             ValueError: the request can never be served (`LLMEngine.make_sequence`); nothing was queued.
@@ -134,7 +136,7 @@ class LLMService:
             QueueFull: `capacity` requests are already held (running or waiting); nothing was queued.
         """
         submitted = time.monotonic()
-        seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt_embeds)
+        seq = self.engine.make_sequence(request_id, prompt_token_ids, params, prompt_embeds, prompt_positions)
         refusal = self.governor.refusal() if self.governor is not None else None
         if refusal is not None:
             raise NotAdmitting(refusal, self.governor.config.retry_after_s)

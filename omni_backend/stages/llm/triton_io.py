@@ -14,13 +14,13 @@ import torch
 from omni_backend import tensor_names as T
 from omni_backend.engine.llm_engine import RequestOutput, TokenLogprob
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.engine.sequence import PromptEmbeds
+from omni_backend.engine.sequence import PromptEmbeds, PromptPositions
 from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.vocabulary import FieldError
 
 INPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.RESET_PREFIX_CACHE, T.PASSTHROUGH, T.PROMPT_EMBEDS,
-               T.PROMPT_EMBED_POSITIONS)
+               T.PROMPT_EMBED_POSITIONS, T.PROMPT_POSITIONS)
 """The llm model's inputs (all optional in its config: which are given tells a generation from a reset)."""
 
 
@@ -39,12 +39,13 @@ def is_reset_request(arrays: dict) -> bool:
     return True
 
 
-def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams, PromptEmbeds | None]:
-    """A generation request's prompt token ids, sampling parameters and prompt embeddings from the llm model's input
-    arrays: `input_ids` INT32 [n], `sampling_params` STRING [1] (the JSON of a SamplingParams), and optionally
-    together `prompt_embeds` FP32 [k, hidden] + `prompt_embed_positions` INT32 [k] (k = 0: none, a text-only
-    request through omni_chat_mm). The engine checks the embeddings' shape against the model
-    (`LLMEngine.make_sequence`).
+def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams, PromptEmbeds | None,
+                                              PromptPositions | None]:
+    """A generation request's prompt token ids, sampling parameters, prompt embeddings and M-RoPE position ids from
+    the llm model's input arrays: `input_ids` INT32 [n], `sampling_params` STRING [1] (the JSON of a
+    SamplingParams), optionally together `prompt_embeds` FP32 [k, hidden] + `prompt_embed_positions` INT32 [k]
+    (k = 0: none, a text-only request through omni_chat_mm), and optionally `prompt_positions` INT32 [3, n] ([3, 0]:
+    none). The engine checks the embeddings' and the ids' shapes against the model (`LLMEngine.make_sequence`).
 
     `input_ids` and `sampling_params` are optional in the model's config only so that a reset request
     (`is_reset_request`) can go without them.
@@ -64,10 +65,12 @@ def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams, PromptEm
         missing, given = (T.PROMPT_EMBEDS, T.PROMPT_EMBED_POSITIONS) if embeds is None else \
             (T.PROMPT_EMBED_POSITIONS, T.PROMPT_EMBEDS)
         raise FieldError(missing, f"is required with {given}")
+    rope = arrays.get(T.PROMPT_POSITIONS)
+    rope = None if rope is None or rope.size == 0 else PromptPositions(torch.from_numpy(np.asarray(rope, np.int64)))
     if positions is None or positions.size == 0:
-        return ids, params, None
+        return ids, params, None, rope
     return ids, params, PromptEmbeds(torch.from_numpy(np.asarray(positions).astype(np.int64).reshape(-1)),
-                                     torch.from_numpy(np.array(embeds, dtype=np.float32)))
+                                     torch.from_numpy(np.array(embeds, dtype=np.float32))), rope
 
 
 def output_arrays(output: RequestOutput, passthrough: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -136,7 +139,8 @@ def serve_request(service, arrays: dict, request_parameters: dict, request_id: s
             dropped = service.reset_prefix_cache_as_operator(request_parameters.get(ADMIN_KEY_HEADER))
             sender.send(reset_arrays(dropped), final=True)
             return
-        ids, params, embeds = generation_inputs(arrays)
-        service.submit(request_id, ids, params, OutputSink(sender, arrays.get(T.PASSTHROUGH)), prompt_embeds=embeds)
+        ids, params, embeds, rope = generation_inputs(arrays)
+        service.submit(request_id, ids, params, OutputSink(sender, arrays.get(T.PASSTHROUGH)), prompt_embeds=embeds,
+                       prompt_positions=rope)
     except Exception as exc:  # bad input, refused (too hot, queue full), or a fault: this request only
         sender.fail(exc)

@@ -178,8 +178,9 @@ def _qwen2_5_omni(tokenizer):
         dit_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, emb_dim=32,
                         enc_emb_dim=192, enc_dim=32, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16,
                         enc_se_channels=16, look_ahead_layers=[1], look_backward_layers=[0]),
-        bigvgan_config=dict(upsample_initial_channel=128, resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]],
-                            upsample_rates=[5, 3, 2, 2, 2, 2], upsample_kernel_sizes=[11, 7, 4, 4, 4, 4]))
+        bigvgan_config=dict(upsample_initial_channel=128, resblock_kernel_sizes=[3],
+                            resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[5, 3, 2, 2, 2, 2],
+                            upsample_kernel_sizes=[11, 7, 4, 4, 4, 4]))
     config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=token2wav)
     # Images of 4 to 32 merged patches (28 x 28 pixels each); the processor's own video limits apply to frames.
     images = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=32 * 28 * 28)

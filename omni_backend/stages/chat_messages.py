@@ -25,10 +25,11 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
 
     `content` is a string, or a list of parts joined with newlines: `{"type": "text", "text": str}`, and, when
     `marker` is given, `image_url` / `input_audio` / `video_url` parts, each written into the content as `marker`
-    and returned (in order) as `{"kind": "image"|"audio"|"video", "part": <the part>, "slot": <its entry in the kept parts>, "field":
-    "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of parts transformers'
-    multimodal chat templates read: `{"type": "text", "text": str}` and `{"type": "image"|"audio"|"video"}` in place of
-    each media part. Every string the client wrote (roles, contents, text parts) goes through `as_text`
+    and returned (in order) as `{"kind": "image"|"audio"|"video", "part": <the part>, "slot": <its entry in the
+    kept parts>, "field": "text_input[i].content[j]"}`. With `keep_parts`, every content is instead the list of
+    parts transformers' multimodal chat templates read: `{"type": "text", "text": str}` and
+    `{"type": "image"|"audio"|"video"}` in place of each media part. Every string the client wrote (roles,
+    contents, text parts) goes through `as_text`
     (`ChatTemplate.mark`, so that its control-token strings stay text).
 
     Raises:

@@ -25,15 +25,18 @@ Output tensors: `input_ids` INT32 [n_prompt_tokens], `sampling_params` STRING [1
 `text_input` as it is, else the decoded ids, i.e. the rendered chat template or the token-id prompt; the front
 door echoes it; the ensemble does not use it).
 
-Image and audio content parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`,
-`{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`) are decoded here
-(`omni_backend.stages.media`) when the stage has encoders configured (`preprocess_media.MediaConfig`); each becomes a run of the
-encoder's placeholder token in the prompt, and four more outputs appear (with zero items for a request without
-media, when encoders are configured):
-`pixel_values` FP32 [n_items, 3, S, S], `input_features` FP32 [n_audio, mel bins, frames], `media_parts`
-STRING [1] (JSON `[{"kind": "image"|"audio", "tokens": int, "items": int, "frames": int (audio)}, ...]` in prompt
-order: placeholders, encoder items (an image split into crops has several) and a clip's valid mel frames) and
-`media_positions` INT32 [n_placeholders] (prompt positions, in the same order). The caller runs the encoders
+Image, audio and video content parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`,
+`{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`, and for a checkpoint whose processor
+reads video `{"type": "video_url", "video_url": {"url": "data:..." | "file://...", "use_audio_in_video": bool}}`)
+are decoded here (`omni_backend.stages.media`) when the stage has encoders configured
+(`preprocess_media.MediaConfig`); each becomes a run of the encoder's placeholder token in the prompt, and five more
+outputs appear (with zero items for a request without media, when encoders are configured): `pixel_values` FP32
+[n_items, 3, S, S] (Qwen2.5-Omni: [n_items, rows, cols, width] patch rows), `input_features` FP32 [n_audio, mel
+bins, frames], `media_parts` STRING [1] (JSON `[{"kind": "image"|"audio"|"video", "tokens": int, "items": int,
+"frames": int (audio), "size": [rows, cols] (zero-padded vision items)}, ...]` in prompt order: placeholders,
+encoder items (an image split into crops has several, a video one per temporal patch), a clip's valid mel frames),
+`media_positions` INT32 [n_placeholders] (prompt positions, in the same order) and `prompt_positions` INT32 [3, n]
+(M-RoPE ids of a Qwen2.5-Omni prompt with media, else [3, 0]). The caller runs the encoders
 (`media_encoder.encoder_calls`) and hands the llm `prompt_embeds` for those positions. A multimodal LLM
 checkpoint renders every chat with its own processor instead (`hf_prompt.ProcessorPrompt`).
 

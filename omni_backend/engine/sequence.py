@@ -60,7 +60,8 @@ class PromptPositions:
 
     def __init__(self, positions: torch.Tensor):
         self.positions = positions.to(torch.int64)
-        self.delta = int(self.positions.max()) + 1 - self.positions.shape[1] if self.positions.numel() else 0
+        shaped = self.positions.dim() == 2 and self.positions.numel() > 0  # `check` refuses other shapes
+        self.delta = int(self.positions.max()) + 1 - self.positions.shape[1] if shaped else 0
 
     def check(self, num_prompt_tokens: int, max_tokens: int, limit: int) -> None:
         """Raises ValueError when the ids are not [3, num_prompt_tokens], one is negative, or the ids of the prompt

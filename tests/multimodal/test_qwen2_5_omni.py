@@ -175,6 +175,9 @@ def test_position_ids_are_refused_by_a_model_without_m_rope_and_checked_for_shap
     with pytest.raises(ValueError, match=r"must be \[3, 3\]"):
         engine.make_sequence("r", prompt, SamplingParams(max_tokens=2), prompt_positions=PromptPositions(
             torch.zeros(3, 2)))
+    with pytest.raises(ValueError, match=r"must be \[3, 3\]"):
+        engine.make_sequence("r", prompt, SamplingParams(max_tokens=2), prompt_positions=PromptPositions(
+            torch.zeros(3)))
     with pytest.raises(ValueError, match="rotary positions"):
         engine.make_sequence("r", prompt, SamplingParams(max_tokens=2), prompt_positions=PromptPositions(
             torch.full((3, 3), 10 ** 6)))

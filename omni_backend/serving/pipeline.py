@@ -1,10 +1,11 @@
-"""The chat pipeline over Triton gRPC, driven stage by stage so that a client's disconnect reaches the engine.
+"""The chat pipeline over Triton gRPC, driven stage by stage: the front door's own way through the stages that
+the `omni_chat` entry point (omni_backend/stages/entry_points.py) runs inside Triton.
 
-Why not one stream to the `omni_chat` ensemble: on Triton 2.51 cancelling an ensemble's gRPC stream stops the
-ensemble between steps but never cancels the request already inside a composing model, so the decoupled `llm`
-stage would go on generating (and holding KV blocks) for a client that has gone. A stream straight to `llm`
-*is* cancelled (its response sender reports `is_cancelled`, the engine aborts the sequence). So the front door
-runs the ensemble's own steps itself, wired exactly as the ensemble's config says:
+Why not one stream to `omni_chat`: the front door needs what happens between the stages (the prompt's token count
+and text before the first token, a 400 before the HTTP status goes out, media encoded concurrently, the llm stage's
+heartbeat watched while a stream waits), and a client's disconnect cancels the gRPC stream to `llm` directly (its
+response sender reports `is_cancelled`, the engine aborts the sequence). So the front door runs the entry point's
+steps itself, the models its config names (its `preprocess_model`, `llm_model` and `postprocess_model` parameters):
 
     preprocess  one unary call: prompt + settings -> token ids + sampling params (errors carry a gRPC status)
     llm         one gRPC stream per request, cancelled when the HTTP client goes away
@@ -12,8 +13,8 @@ runs the ensemble's own steps itself, wired exactly as the ensemble's config say
                 the stage passes everything else through unchanged, so a response without logprobs skips
                 the round trip (one per token per request: at concurrency 32 they took CPU from the engine)
 
-The wiring (which model is which step, which tensor feeds which input, the preprocess input types, the
-context length) is read from Triton's model configs, not hard-coded.
+The wiring (which model is which step, the tensors each takes and gives, the preprocess input types, the context
+length) is read from Triton's model configs, not hard-coded; tensors go from step to step by name.
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
+from omni_backend.stages.entry_points import Steps
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
+from omni_backend.stages.postprocess import carries_logprobs
 from omni_backend.vocabulary import BY_PARAM, tensor_value_problem
 
 
 @dataclass
 class StepWiring:
-    """One ensemble step: its model and how its tensors map to the ensemble's tensor names."""
+    """One step: its model and how its tensors map to the pipeline's tensor names."""
 
     model: str
-    inputs: dict[str, str]  # step input -> ensemble tensor
-    outputs: dict[str, str]  # step output -> ensemble tensor
+    inputs: dict[str, str]  # step input -> pipeline tensor
+    outputs: dict[str, str]  # step output -> pipeline tensor
 
 
 @dataclass
@@ -50,7 +53,7 @@ class PipelineInfo:
     """What the front door learned about one served model from Triton.
 
     Attributes:
-        name: the ensemble's name (the OpenAI `model` id).
+        name: the entry point's name (the OpenAI `model` id).
         preprocess, llm, postprocess: the steps (postprocess may be None).
         input_types: preprocess input name -> Triton datatype ("BYTES", "INT32", ...).
         max_model_len: longest prompt + completion in tokens (the llm's `max_model_len` parameter).
@@ -77,7 +80,7 @@ class Prepared:
     tensors: dict[str, np.ndarray]
     prompt_tokens: int
     prompt_text: str
-    extra: dict[str, np.ndarray] = field(default_factory=dict)  # llm inputs beyond the ensemble's (prompt_embeds)
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # llm inputs not from preprocess (prompt_embeds)
 
 
 @dataclass
@@ -187,11 +190,11 @@ class TritonGrpcUser:
 
 
 class TritonPipeline(TritonGrpcUser):
-    """One served model: an ensemble of preprocess -> decoupled llm -> postprocess on a Triton server.
+    """One served model: a chat entry point of preprocess -> decoupled llm [-> postprocess] on a Triton server.
 
     Args:
         grpc_url: Triton's gRPC endpoint, `host:port`.
-        model: the ensemble's name.
+        model: the entry point's name.
         watch: a StageWatch (serving/metrics.py); while a request waits on the llm stream, the llm stage's
             heartbeat is checked every WATCH_INTERVAL_S seconds and a silent stage ends the request with 503.
     """
@@ -209,7 +212,7 @@ class TritonPipeline(TritonGrpcUser):
         self.down_stages: dict[str, str] = {}
 
     async def ready(self) -> bool:
-        """True when Triton answers, the ensemble is ready and no unary stage was found dead (`down_stages`)."""
+        """True when Triton answers, the entry point is ready and no unary stage was found dead (`down_stages`)."""
         if self.down_stages:
             return False
         try:
@@ -237,19 +240,28 @@ class TritonPipeline(TritonGrpcUser):
 
     async def _discover(self) -> PipelineInfo:
         config = await self._config(self.model)
-        steps = config.get("ensemble_scheduling", {}).get("step", [])
-        configs = [await self._config(step["model_name"]) for step in steps]
-        decoupled = [i for i, c in enumerate(configs) if c.get("model_transaction_policy", {}).get("decoupled")]
-        if len(decoupled) != 1 or decoupled[0] != 1 or len(steps) > 3:
-            raise internal(f"model '{self.model}' is not a preprocess -> decoupled llm [-> postprocess] ensemble")
-        wiring = [StepWiring(s["model_name"], dict(s.get("input_map", {})), dict(s.get("output_map", {})))
-                  for s in steps]
-        parameters = {k: v.get("string_value") for k, v in configs[1].get("parameters", {}).items()}
-        parameters = parameters or {k: v.get("string_value") for k, v in configs[0].get("parameters", {}).items()}
+        try:
+            steps = Steps.from_parameters(_parameters(config))
+        except ValueError as exc:
+            raise internal(f"model '{self.model}' is not a chat entry point: {exc}") from None
+        if steps.media or steps.tts:
+            raise internal(f"model '{self.model}' is not a text chat entry point (preprocess -> llm [-> postprocess])")
+        preprocess, llm = await self._config(steps.preprocess), await self._config(steps.llm)
+        if not llm.get("model_transaction_policy", {}).get("decoupled"):
+            raise internal(f"the llm step of model '{self.model}', '{steps.llm}', is not decoupled")
+        to_llm = [name for name in _names(preprocess, "output") if name in _names(llm, "input")]
+        postprocess = None
+        from_llm = _names(llm, "output")
+        if steps.postprocess is not None:
+            config = await self._config(steps.postprocess)
+            from_llm = _names(config, "input")
+            postprocess = StepWiring(steps.postprocess, _same(from_llm), _same(_names(config, "output")))
+        parameters = _parameters(llm) or _parameters(preprocess)
         max_model_len = int(parameters["max_model_len"]) if parameters.get("max_model_len") else None
-        input_types = {i["name"]: _datatype(i["data_type"]) for i in configs[0].get("input", [])}
-        return PipelineInfo(self.model, wiring[0], wiring[1], wiring[2] if len(wiring) == 3 else None,
-                            input_types, max_model_len)
+        input_types = {i["name"]: _datatype(i["data_type"]) for i in preprocess.get("input", [])}
+        return PipelineInfo(self.model, StepWiring(steps.preprocess, _same(_names(preprocess, "input")), _same(to_llm)),
+                            StepWiring(steps.llm, _same(to_llm), _same(from_llm)), postprocess, input_types,
+                            max_model_len)
 
     async def prepare(self, text: str, token_ids: list[int] | None, settings: dict, prompt_field: str,
                       request_id: str = "") -> Prepared:
@@ -273,10 +285,10 @@ class TritonPipeline(TritonGrpcUser):
                 raise invalid("this model does not take prompts as token ids", prompt_field)
             values.append(("prompt_token_ids", token_ids, prompt_field))
         values += [(BY_PARAM[param].tensor, value, BY_PARAM[param].openai[0]) for param, value in settings.items()]
-        by_ensemble_name = {tensor: name for name, tensor in info.preprocess.inputs.items()}
+        by_tensor = {tensor: name for name, tensor in info.preprocess.inputs.items()}
         inputs = []
         for name, value, field_name in values:
-            stage_name = by_ensemble_name.get(name, name)
+            stage_name = by_tensor.get(name, name)
             datatype = info.input_types.get(stage_name)
             if datatype is None:
                 raise internal(f"model '{info.preprocess.model}' has no input '{stage_name}'")
@@ -380,7 +392,7 @@ class TritonPipeline(TritonGrpcUser):
                     if array is not None:
                         outputs[tensor] = array
                 if info.postprocess is not None:
-                    if _carries_logprobs(info.postprocess, outputs):
+                    if carries_logprobs(outputs):
                         outputs = await self._postprocess(info.postprocess, outputs, prompt_field, request_id)
                     else:
                         outputs = _passed_through(info.postprocess, outputs)
@@ -508,13 +520,19 @@ def _stream_failure(exc: grpc.aio.AioRpcError, model: str) -> OpenAIError:
     return internal(f"the {model} stream failed: {exc.code().name}: {exc.details()}")
 
 
-# postprocess inputs that it rewrites; it passes its other inputs through (omni_backend/stages/postprocess.py)
-POSTPROCESS_REWRITES = ("output_logprobs", "prompt_token_logprobs")
+def _parameters(config: dict) -> dict[str, str]:
+    """A model config's string parameters."""
+    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
 
 
-def _carries_logprobs(postprocess: StepWiring, outputs: dict) -> bool:
-    """Whether an llm response has logprob entries for postprocess to rewrite ("" or absent when not asked)."""
-    return any(_scalar(outputs.get(postprocess.inputs.get(name)), "") for name in POSTPROCESS_REWRITES)
+def _names(config: dict, kind: str) -> list[str]:
+    """The names of a model config's tensors of `kind` ("input" or "output")."""
+    return [tensor["name"] for tensor in config.get(kind, [])]
+
+
+def _same(names: list[str]) -> dict[str, str]:
+    """The wiring of tensors that keep their names from step to step."""
+    return {name: name for name in names}
 
 
 def _passed_through(postprocess: StepWiring, outputs: dict) -> dict:

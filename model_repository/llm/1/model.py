@@ -9,17 +9,16 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.engine.sequence import PromptEmbeds
 from omni_backend.launch.tritonserver import ADMIN_KEY_HEADER
-from omni_backend.stages.llm import INPUT_NAMES, create_service, generation_inputs, is_reset_request
-from omni_backend.stages.tensors import request_arrays, triton_error
+from omni_backend.stages.llm import INPUT_NAMES, cancel_key, create_service, generation_inputs, is_reset_request
+from omni_backend.stages.tensors import one_value, request_arrays, triton_error
 from omni_backend.vocabulary import StageError
 
 
 class _Sink:
     """Sends one request's outputs through its Triton response sender."""
 
-    def __init__(self, sender, passthrough=None):
+    def __init__(self, sender):
         self.sender = sender
-        self.passthrough = passthrough  # the optional `passthrough` input, echoed in every response
 
     def send(self, output):
         logprobs = _logprobs_json(output.logprobs)
@@ -34,8 +33,6 @@ class _Sink:
             pb_utils.Tensor("output_logprobs", np.array([logprobs.encode()], dtype=np.object_)),
             pb_utils.Tensor("prompt_token_logprobs", np.array([prompt_logprobs.encode()], dtype=np.object_)),
         ]
-        if self.passthrough is not None:
-            tensors.append(pb_utils.Tensor("passthrough", self.passthrough))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
@@ -92,16 +89,21 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            passthrough = pb_utils.get_input_tensor_by_name(request, "passthrough")
-            sink = _Sink(request.get_response_sender(), None if passthrough is None else passthrough.as_numpy())
+            sink = _Sink(request.get_response_sender())
             try:
                 arrays = request_arrays(pb_utils, request, INPUT_NAMES)
                 if is_reset_request(arrays):  # waits for the engine loop (at most one step)
                     given_key = json.loads(request.parameters() or "{}").get(ADMIN_KEY_HEADER)
                     sink.send_dropped_blocks(self.service.reset_prefix_cache_as_operator(given_key))
                     continue
+                key = cancel_key(arrays)
+                if key is not None:
+                    self.service.cancel(key)
+                    sink.close()
+                    continue
                 ids, params = generation_inputs(arrays)
-                request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+                request_id = (one_value(arrays, "stream_key", str)
+                              or f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}")
                 embeds = _prompt_embeds(request, self.hidden_size)
                 self.service.submit(request_id, ids, params, sink, prompt_embeds=embeds)
             except Exception as exc:  # bad input, refused (too hot, queue full), or a fault: this request only

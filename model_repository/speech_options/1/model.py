@@ -25,7 +25,7 @@ class TritonPythonModel:
             except ValueError as exc:
                 responses.append(pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, "speech_options")))
                 continue
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("passthrough",
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("options",
                                                                          string_tensor(options.to_json()))]))
         return responses
 

@@ -82,30 +82,44 @@ class FakeStages:
 
 
 class ListClient:
+    """A Client in memory; `cancel_after`: is_cancelled() is True once that many responses were sent. Each
+    is_cancelled() takes 2 ms (an IPC round trip); `late_polls` counts those that overlapped or followed the final
+    flag (tritonserver dies of one: see entry_points._Request)."""
+
     def __init__(self, cancel_after: int | None = None):
         self.sent: list[tuple[dict, bool]] = []
         self.errors: list = []
         self.closed = 0
         self.cancel_after = cancel_after
         self.done = threading.Event()
+        self.late_polls = 0
+        self.polling = 0
 
     def send(self, outputs, final):
         assert not self.done.is_set(), "sent after the final flag"
         self.sent.append((outputs, final))
         if final:
-            self.done.set()
+            self._final()
 
     def fail(self, error):
         assert not self.done.is_set(), "failed after the final flag"
         self.errors.append(error)
-        self.done.set()
+        self._final()
 
     def close(self):
         assert not self.done.is_set(), "closed after the final flag"
         self.closed += 1
+        self._final()
+
+    def _final(self):
+        self.late_polls += self.polling
         self.done.set()
 
     def is_cancelled(self):
+        self.polling += 1
+        self.late_polls += self.done.is_set()
+        time.sleep(0.002)
+        self.polling -= 1
         return self.cancel_after is not None and len(self.sent) >= self.cancel_after
 
 
@@ -119,6 +133,8 @@ def run():
         entry.submit(arrays or {"text_input": string_tensor("hi")}, client, "req-1").join(timeout=10)
         assert client.done.is_set(), "the client's stream did not end"
         assert entry.num_active == 0
+        time.sleep(3 * poll_interval_s)
+        assert client.late_polls == 0, "is_cancelled() was asked after the final flag"
         return entry
 
     yield start
@@ -167,6 +183,14 @@ def test_speech_sends_each_llm_delta_to_tts_and_its_phrases_to_the_client(run):
     options = stages.calls[3][1]["options"]
     assert all(inputs["options"] is options for model, inputs in stages.calls if model == "tts")
     assert [(text(o), final) for o, final in client.sent] == [(" there.", False), (" Bye", True)]
+
+
+def test_the_watch_never_asks_is_cancelled_after_the_final_flag(run):
+    """Many short requests finishing while the watch polls (every 1 ms, each poll taking 2 ms)."""
+    for _ in range(50):
+        client = ListClient()
+        run(CHAT, FakeStages([llm_response("a"), llm_response("b", "stop")]), client, poll_interval_s=0.001)
+        assert client.sent[-1][1]
 
 
 def test_a_stage_error_reaches_the_client_as_it_came(run):

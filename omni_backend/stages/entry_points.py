@@ -153,18 +153,50 @@ class Client(Protocol):
 
 
 class _Request:
-    """One entry point request in flight: its client, and what the watch and its thread share about it."""
+    """One entry point request in flight: its client, and what the watch and its thread share about it.
+
+    Its final flag goes out under `lock`, the lock the watch holds while it asks `is_cancelled`, and the watch asks
+    only before it: in python_backend 24.10 (as in its main branch) `is_cancelled()` on a response sender whose
+    final flag has gone uses the freed response factory, and tritonserver dies (SIGSEGV in
+    TRITONBACKEND_ResponseFactoryIsCancelled, seen here in a storm of cancels).
+    """
 
     def __init__(self, request_id: str, client: Client):
         self.request_id, self.client = request_id, client
         self.lock = threading.Lock()
         self.cancelled = False
-        self.finished = False  # the client got its final response
+        self.finished = False  # the client's final flag has gone (or failed to: the sender is closed either way)
         self.stream_key: str | None = None  # set when its llm generation is sent
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
-        self.client.send(outputs, final)
-        self.finished = final
+        if not final:
+            self.client.send(outputs, False)
+            return
+        with self.lock:
+            try:
+                self.client.send(outputs, True)
+            finally:
+                self.finished = True
+
+    def end(self, error: StageFailure | StageError | None) -> None:
+        """The final flag, with `error` (None: alone, after a cancellation)."""
+        with self.lock:
+            try:
+                if error is None:
+                    self.client.close()
+                else:
+                    self.client.fail(error)
+            finally:
+                self.finished = True
+
+    def poll_cancelled(self) -> bool:
+        """Ask the client whether it cancelled (at most once the answer is yes, never after the final flag); True
+        when it newly did."""
+        with self.lock:
+            if self.finished or self.cancelled or not self.client.is_cancelled():
+                return False
+            self.cancelled = True
+            return True
 
 
 class EntryPoint:
@@ -223,10 +255,10 @@ class EntryPoint:
             if request.finished:
                 return
             if request.cancelled:
-                request.client.close()
+                request.end(None)
             else:
-                request.client.fail(error or StageError(
-                    ErrorKind.INTERNAL, f"the {self.steps.llm} stream ended before its final response"))
+                request.end(error or StageError(ErrorKind.INTERNAL, f"the {self.steps.llm} stream ended before its "
+                                                                    "final response"))
         except Exception:  # the client is gone either way
             logger.exception("ending %s request %s failed", self.name, request.request_id)
 
@@ -319,10 +351,5 @@ class EntryPoint:
         with self._lock:
             live = [r for r in self._requests if not r.cancelled and not r.finished]
         for request in live:
-            if not request.client.is_cancelled():
-                continue
-            with request.lock:
-                request.cancelled = True
-                key = request.stream_key
-            if key is not None:
+            if request.poll_cancelled() and request.stream_key is not None:
                 self._cancel_llm(request)

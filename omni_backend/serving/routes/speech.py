@@ -10,8 +10,8 @@ per piece of text, answered with one response per phrase (the first phrase short
   open-ended sizes, then the samples at the voice's rate) chunk by chunk; `flac` and `mp3` are encoded once the
   last chunk is in (mp3 only where the installed libsndfile can write it; otherwise 400 naming the format).
 - chat with audio drives the chat pipeline like text chat (serving/generation.py: preprocess, the cancellable
-  llm stream, postprocess), cuts the streamed text into phrases with the same `SentenceChunker` the omni_speech
-  ensemble uses, and speaks each phrase that has something to say as soon as it is complete, while the LLM goes
+  llm stream, postprocess), cuts the streamed text into phrases with the same `SentenceChunker` the tts stage
+  uses for omni_speech, and speaks each phrase that has something to say as soon as it is complete, while the LLM goes
   on. The answer carries OpenAI's `message.audio` (id, base64 data, expires_at, transcript); streamed, each text
   delta is a `delta.audio.transcript` and each phrase's audio a `delta.audio.data` (pcm16 only, as with OpenAI).
 """

@@ -21,7 +21,7 @@ import collections
 import json
 import threading
 import time
-from typing import Iterator
+from typing import Generator
 
 import numpy as np
 
@@ -71,9 +71,7 @@ class BlsStages:
         return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
 
     def stream(self, model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...],
-               request_id: str) -> Iterator[dict[str, np.ndarray]]:
-        """A generator; closing it early waits for the model's final flag (the caller has asked the model to end
-        the stream, or it ends on its own)."""
+               request_id: str) -> Generator[dict[str, np.ndarray], None, None]:
         responses = self._request(model, inputs, outputs, request_id).exec(decoupled=True)
         try:
             for response in responses:

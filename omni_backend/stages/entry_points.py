@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, fields
-from typing import Iterator, Protocol
+from typing import Generator, Protocol
 
 import numpy as np
 
@@ -101,12 +101,6 @@ class Steps:
             raise ValueError("speech_options_model and tts_model go together")
         return cls(**given)
 
-    @property
-    def models(self) -> list[str]:
-        """Every stage model named, in pipeline order."""
-        return [model for model in (self.speech_options, self.preprocess, self.media, self.llm, self.postprocess,
-                                    self.tts) if model]
-
 
 class StageFailure(Exception):
     """A stage answered with an error: its message (with its StageError header, if any) and its Triton error code,
@@ -129,9 +123,10 @@ class Stages(Protocol):
         """
 
     def stream(self, model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...],
-               request_id: str) -> Iterator[dict[str, np.ndarray]]:
+               request_id: str) -> Generator[dict[str, np.ndarray], None, None]:
         """One request to a decoupled model: the `outputs` of each of its responses, in order, until its final flag
-        (a final flag sent alone yields nothing).
+        (a final flag sent alone yields nothing). Closed early, it returns once the model has ended the stream (the
+        caller has asked it to).
 
         Raises:
             StageFailure: the model answered with an error.

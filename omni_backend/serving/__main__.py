@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
     parser.add_argument("--triton-http", default=defaults.triton_http, help="Triton HTTP host:port (for /v2)")
     parser.add_argument("--triton-metrics", default=defaults.triton_metrics_url, help="Triton metrics URL")
     parser.add_argument("--model", action="append", dest="models",
-                        help="served model (a Triton ensemble); repeat for more; default omni_chat")
+                        help="served model (a chat entry point on Triton); repeat for more; default omni_chat")
     parser.add_argument("--api-key", default=defaults.api_key)
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests)

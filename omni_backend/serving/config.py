@@ -42,7 +42,7 @@ class ServingConfig:
         triton_grpc: Triton's gRPC endpoint `host:port` (generation goes here).
         triton_http: Triton's HTTP endpoint `host:port` (the `/v2` pass-through goes here).
         triton_metrics_url: Triton's Prometheus page, prepended to `/metrics`.
-        models: served model names; each is a Triton ensemble of preprocess -> llm -> postprocess.
+        models: served model names; each is a chat entry point of preprocess -> llm -> postprocess.
         api_key: when set, `/v1/*` and `/v2/*` (except `/v2/health/*`) need `Authorization: Bearer <key>`.
         max_body_bytes: larger request bodies get 413.
         max_concurrent_requests: generation requests served at once; more get 429 (0: no limit).

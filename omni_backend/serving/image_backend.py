@@ -10,7 +10,7 @@ from tritonclient.utils import InferenceServerException
 
 from omni_backend import tensor_names as T
 from omni_backend.serving import errors
-from omni_backend.serving.pipeline import TritonGrpcUser, infer_to_completion, numeric_array
+from omni_backend.serving.triton_client import TritonGrpcUser, infer_to_completion, numeric_array
 from omni_backend.stages.diffusion import ImageLimits
 
 ENSEMBLE = "text2image"

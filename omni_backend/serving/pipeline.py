@@ -1,10 +1,11 @@
-"""The chat pipeline over Triton gRPC, driven stage by stage so that a client's disconnect reaches the engine.
+"""The chat pipeline over Triton gRPC, driven stage by stage: the front door's own way through the stages that
+the `omni_chat` entry point (omni_backend/stages/entry_points.py) runs inside Triton.
 
-Why not one stream to the `omni_chat` ensemble: on Triton 2.51 cancelling an ensemble's gRPC stream stops the
-ensemble between steps but never cancels the request already inside a composing model, so the decoupled `llm`
-stage would go on generating (and holding KV blocks) for a client that has gone. A stream straight to `llm`
-*is* cancelled (its response sender reports `is_cancelled`, the engine aborts the sequence). So the front door
-runs the ensemble's own steps itself, wired exactly as the ensemble's config says:
+Why not one stream to `omni_chat`: the front door needs what happens between the stages (the prompt's token count
+and text before the first token, a 400 before the HTTP status goes out, media encoded concurrently, the llm stage's
+heartbeat watched while a stream waits), and a client's disconnect cancels the gRPC stream to `llm` directly (its
+response sender reports `is_cancelled`, the engine aborts the sequence). So the front door runs the entry point's
+steps itself, the models its config names (its `preprocess_model`, `llm_model` and `postprocess_model` parameters):
 
     preprocess  one unary call: prompt + settings -> token ids + sampling params (errors carry a gRPC status)
     llm         one gRPC stream per request, cancelled when the HTTP client goes away
@@ -12,8 +13,8 @@ runs the ensemble's own steps itself, wired exactly as the ensemble's config say
                 the stage passes everything else through unchanged, so a response without logprobs skips
                 the round trip (one per token per request: at concurrency 32 they took CPU from the engine)
 
-The wiring (which model is which step, which tensor feeds which input, the preprocess input types, the
-context length) is read from Triton's model configs, not hard-coded.
+The wiring (which model is which step, the tensors each takes and gives, the preprocess input types, the context
+length) is read from Triton's model configs, not hard-coded; tensors go from step to step by name.
 """
 
 from __future__ import annotations
@@ -27,23 +28,25 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from omni_backend import tensor_names as T
 from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
+from omni_backend.serving.triton_client import TritonGrpcUser, infer_to_completion, numeric_array
+from omni_backend.stages.entry_points import Steps
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
-from omni_backend.vocabulary import BY_PARAM, tensor_value_problem
+from omni_backend.stages.postprocess import carries_logprobs
+from omni_backend.vocabulary import BY_PARAM
 
 
 @dataclass
 class StepWiring:
-    """One ensemble step: its model and how its tensors map to the ensemble's tensor names."""
+    """One step: its model and how its tensors map to the pipeline's tensor names."""
 
     model: str
-    inputs: dict[str, str]  # step input -> ensemble tensor
-    outputs: dict[str, str]  # step output -> ensemble tensor
+    inputs: dict[str, str]  # step input -> pipeline tensor
+    outputs: dict[str, str]  # step output -> pipeline tensor
 
 
 @dataclass
@@ -51,7 +54,7 @@ class PipelineInfo:
     """What the front door learned about one served model from Triton.
 
     Attributes:
-        name: the ensemble's name (the OpenAI `model` id).
+        name: the entry point's name (the OpenAI `model` id).
         preprocess, llm, postprocess: the steps (postprocess may be None).
         input_types: preprocess input name -> Triton datatype ("BYTES", "INT32", ...).
         max_model_len: longest prompt + completion in tokens (the llm's `max_model_len` parameter).
@@ -68,7 +71,7 @@ class PipelineInfo:
 
     @property
     def accepts_token_ids(self) -> bool:
-        return "prompt_token_ids" in self.input_types
+        return T.PROMPT_TOKEN_IDS in self.input_types
 
 
 @dataclass
@@ -78,7 +81,7 @@ class Prepared:
     tensors: dict[str, np.ndarray]
     prompt_tokens: int
     prompt_text: str
-    extra: dict[str, np.ndarray] = field(default_factory=dict)  # llm inputs beyond the ensemble's (prompt_embeds)
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # llm inputs not from preprocess (prompt_embeds)
 
 
 @dataclass
@@ -105,39 +108,6 @@ class Step:
 
 WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
 
-_UNARY_CALLS: set[asyncio.Task] = set()  # unary calls running on after their caller was cancelled
-
-
-async def infer_to_completion(client: aio.InferenceServerClient, model_name: str, inputs: list, **kwargs):
-    """`client.infer(model_name, inputs, **kwargs)`, but a cancelled caller never cancels the call on the wire.
-
-    Why: Triton 2.51's unary gRPC handler (ModelInferHandler) can free a call's state while a cancellation of that
-    call is still being processed; the whole server then dies with signal 11 in `ModelInferHandler::Process`
-    (reproduced here: a storm of HTTP clients leaving right after sending made the front door cancel preprocess
-    and postprocess calls; Triton issues #7368 and #8034, fixed upstream by server PRs #7840 (24.12) and #8078
-    (25.04)). Unary calls are short (tokenizing, one postprocess step, one encoder pass), so when the caller is
-    cancelled the call runs to its end in the background and its result is dropped. The llm stream is still
-    cancelled (Triton's stream handler survives that, and it is what frees KV blocks).
-
-    Raises:
-        what `client.infer` raises (InferenceServerException, grpc errors); asyncio.CancelledError when the
-        caller is cancelled (the call itself goes on).
-    """
-    call = asyncio.ensure_future(client.infer(model_name, inputs, **kwargs))
-    _UNARY_CALLS.add(call)
-    call.add_done_callback(_unary_call_done)
-    return await asyncio.shield(call)
-
-
-def _unary_call_done(call: asyncio.Task) -> None:
-    _UNARY_CALLS.discard(call)
-    if not call.cancelled():
-        call.exception()  # mark it retrieved: a dropped call's error is not logged as "never retrieved"
-
-
-# Content-part kind -> (encoder model, its input), as preprocess's media outputs name them.
-
-
 def _datatype(config_type: str) -> str:
     name = config_type.removeprefix("TYPE_")
     return "BYTES" if name == "STRING" else name
@@ -150,49 +120,12 @@ def _scalar(array: np.ndarray | None, default=None):
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
 
 
-def numeric_array(items: list, datatype: str, field: str) -> np.ndarray:
-    """`items` as a numpy array of a Triton numeric `datatype` ("INT32", "UINT64", "FP32", "BOOL", ...).
-
-    numpy would raise OverflowError for an integer beyond int64, silently wrap one beyond a smaller type
-    (max_tokens 2**32 + 5 would become 5) and turn a float beyond float32's range into infinity, so every value
-    is checked against the datatype first (`vocabulary.tensor_value_problem`).
-
-    Raises:
-        OpenAIError: 400 naming `field` when a value does not fit the tensor's type.
-    """
-    for value in items:
-        problem = tensor_value_problem(datatype, value)
-        if problem is not None:
-            raise invalid(f"{field} {problem}", field)
-    return np.array(items, dtype=np.dtype(grpcclient.triton_to_np_dtype(datatype)))
-
-
-class TritonGrpcUser:
-    """Holds an asyncio Triton gRPC client for `grpc_url`, made on first use: inside the serving event loop, to
-    which tritonclient's aio client binds. `close` closes it (a later use makes a new one)."""
-
-    def __init__(self, grpc_url: str):
-        self.grpc_url = grpc_url
-        self._client: aio.InferenceServerClient | None = None
-
-    @property
-    def client(self) -> aio.InferenceServerClient:
-        if self._client is None:
-            self._client = aio.InferenceServerClient(self.grpc_url)
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-
 class TritonPipeline(TritonGrpcUser):
-    """One served model: an ensemble of preprocess -> decoupled llm -> postprocess on a Triton server.
+    """One served model: a chat entry point of preprocess -> decoupled llm [-> postprocess] on a Triton server.
 
     Args:
         grpc_url: Triton's gRPC endpoint, `host:port`.
-        model: the ensemble's name.
+        model: the entry point's name.
         watch: a StageWatch (serving/metrics.py); while a request waits on the llm stream, the llm stage's
             heartbeat is checked every WATCH_INTERVAL_S seconds and a silent stage ends the request with 503.
     """
@@ -210,7 +143,7 @@ class TritonPipeline(TritonGrpcUser):
         self.down_stages: dict[str, str] = {}
 
     async def ready(self) -> bool:
-        """True when Triton answers, the ensemble is ready and no unary stage was found dead (`down_stages`)."""
+        """True when Triton answers, the entry point is ready and no unary stage was found dead (`down_stages`)."""
         if self.down_stages:
             return False
         try:
@@ -238,19 +171,28 @@ class TritonPipeline(TritonGrpcUser):
 
     async def _discover(self) -> PipelineInfo:
         config = await self._config(self.model)
-        steps = config.get("ensemble_scheduling", {}).get("step", [])
-        configs = [await self._config(step["model_name"]) for step in steps]
-        decoupled = [i for i, c in enumerate(configs) if c.get("model_transaction_policy", {}).get("decoupled")]
-        if len(decoupled) != 1 or decoupled[0] != 1 or len(steps) > 3:
-            raise internal(f"model '{self.model}' is not a preprocess -> decoupled llm [-> postprocess] ensemble")
-        wiring = [StepWiring(s["model_name"], dict(s.get("input_map", {})), dict(s.get("output_map", {})))
-                  for s in steps]
-        parameters = {k: v.get("string_value") for k, v in configs[1].get("parameters", {}).items()}
-        parameters = parameters or {k: v.get("string_value") for k, v in configs[0].get("parameters", {}).items()}
+        try:
+            steps = Steps.from_parameters(_parameters(config))
+        except ValueError as exc:
+            raise internal(f"model '{self.model}' is not a chat entry point: {exc}") from None
+        if steps.media or steps.tts:
+            raise internal(f"model '{self.model}' is not a text chat entry point (preprocess -> llm [-> postprocess])")
+        preprocess, llm = await self._config(steps.preprocess), await self._config(steps.llm)
+        if not llm.get("model_transaction_policy", {}).get("decoupled"):
+            raise internal(f"the llm step of model '{self.model}', '{steps.llm}', is not decoupled")
+        to_llm = [name for name in _names(preprocess, "output") if name in _names(llm, "input")]
+        postprocess = None
+        from_llm = _names(llm, "output")
+        if steps.postprocess is not None:
+            config = await self._config(steps.postprocess)
+            from_llm = _names(config, "input")
+            postprocess = StepWiring(steps.postprocess, _same(from_llm), _same(_names(config, "output")))
+        parameters = _parameters(llm) or _parameters(preprocess)
         max_model_len = int(parameters["max_model_len"]) if parameters.get("max_model_len") else None
-        input_types = {i["name"]: _datatype(i["data_type"]) for i in configs[0].get("input", [])}
-        return PipelineInfo(self.model, wiring[0], wiring[1], wiring[2] if len(wiring) == 3 else None,
-                            input_types, max_model_len)
+        input_types = {i["name"]: _datatype(i["data_type"]) for i in preprocess.get("input", [])}
+        return PipelineInfo(self.model, StepWiring(steps.preprocess, _same(_names(preprocess, "input")), _same(to_llm)),
+                            StepWiring(steps.llm, _same(to_llm), _same(from_llm)), postprocess, input_types,
+                            max_model_len)
 
     async def prepare(self, text: str, token_ids: list[int] | None, settings: dict, prompt_field: str,
                       request_id: str = "", template: dict[str, bool] | None = None) -> Prepared:
@@ -270,17 +212,17 @@ class TritonPipeline(TritonGrpcUser):
                 unavailable, 500 otherwise.
         """
         info = await self.info()
-        values = [("text_input", text, prompt_field)]
+        values = [(T.TEXT_INPUT, text, prompt_field)]
         if token_ids is not None:
             if not info.accepts_token_ids:
                 raise invalid("this model does not take prompts as token ids", prompt_field)
-            values.append(("prompt_token_ids", token_ids, prompt_field))
+            values.append((T.PROMPT_TOKEN_IDS, token_ids, prompt_field))
         values += [(BY_PARAM[param].tensor, value, BY_PARAM[param].openai[0]) for param, value in settings.items()]
         values += [(name, value, name) for name, value in (template or {}).items()]
-        by_ensemble_name = {tensor: name for name, tensor in info.preprocess.inputs.items()}
+        by_tensor = {tensor: name for name, tensor in info.preprocess.inputs.items()}
         inputs = []
         for name, value, field_name in values:
-            stage_name = by_ensemble_name.get(name, name)
+            stage_name = by_tensor.get(name, name)
             datatype = info.input_types.get(stage_name)
             if datatype is None:
                 raise internal(f"model '{info.preprocess.model}' has no input '{stage_name}'")
@@ -302,11 +244,11 @@ class TritonPipeline(TritonGrpcUser):
             raise self._unary_error(info.preprocess.model, exc, prompt_field) from None
         self.down_stages.pop(info.preprocess.model, None)
         tensors = {name: result.as_numpy(name) for name in info.preprocess.outputs}
-        ids = result.as_numpy("input_ids")
+        ids = result.as_numpy(T.INPUT_IDS)
         prompt_tokens = int(ids.size) if ids is not None else 0
-        prompt_text = _scalar(result.as_numpy("prompt_text"), "")
+        prompt_text = _scalar(result.as_numpy(T.PROMPT_TEXT), "")
         extra = {}
-        if result.as_numpy("media_parts") is not None:
+        if result.as_numpy(T.MEDIA_PARTS) is not None:
             extra = await self._encode_media(result, prompt_field, request_id)
         rope = result.as_numpy(T.PROMPT_POSITIONS)
         if rope is not None and rope.size:  # M-RoPE ids of a prompt with media (Qwen2.5-Omni)
@@ -321,11 +263,11 @@ class TritonPipeline(TritonGrpcUser):
             the llm's `prompt_embeds` [k, hidden] and `prompt_embed_positions` [k] (preprocess's placeholder
             positions, in the same order as the parts).
         """
-        parts = json.loads(_scalar(result.as_numpy("media_parts")))
+        parts = json.loads(_scalar(result.as_numpy(T.MEDIA_PARTS)))
         if not parts:  # preprocess sends empty media outputs for text-only requests
             return {}
         try:
-            calls = encoder_calls(parts, result.as_numpy("pixel_values"), result.as_numpy("input_features"))
+            calls = encoder_calls(parts, result.as_numpy(T.PIXEL_VALUES), result.as_numpy(T.INPUT_FEATURES))
         except ValueError as exc:
             raise internal(str(exc)) from None
         requests = []
@@ -343,8 +285,8 @@ class TritonPipeline(TritonGrpcUser):
         for call in calls:
             self.down_stages.pop(call.model, None)
         try:
-            return splice_embeddings(parts, result.as_numpy("media_positions"), calls,
-                                     [r.as_numpy("embeddings") for r in results])
+            return splice_embeddings(parts, result.as_numpy(T.MEDIA_POSITIONS), calls,
+                                     [r.as_numpy(T.EMBEDDINGS) for r in results])
         except ValueError as exc:
             raise internal(str(exc)) from None
 
@@ -387,7 +329,7 @@ class TritonPipeline(TritonGrpcUser):
                     if array is not None:
                         outputs[tensor] = array
                 if info.postprocess is not None:
-                    if _carries_logprobs(info.postprocess, outputs):
+                    if carries_logprobs(outputs):
                         outputs = await self._postprocess(info.postprocess, outputs, prompt_field, request_id)
                     else:
                         outputs = _passed_through(info.postprocess, outputs)
@@ -418,7 +360,7 @@ class TritonPipeline(TritonGrpcUser):
                 `admin_key`), 503 when Triton or the stage is unavailable, 500 otherwise.
         """
         info = await self.info()
-        flag = grpcclient.InferInput("reset_prefix_cache", [1], "BOOL")
+        flag = grpcclient.InferInput(T.RESET_PREFIX_CACHE, [1], "BOOL")
         flag.set_data_from_numpy(np.array([True]))
 
         async def one_request():
@@ -440,7 +382,7 @@ class TritonPipeline(TritonGrpcUser):
         result, error = item
         if error is not None:
             raise from_triton(error.message(), None, None, lambda name: name)
-        dropped = result.as_numpy("dropped_blocks")
+        dropped = result.as_numpy(T.DROPPED_BLOCKS)
         if dropped is None:
             raise internal(f"the {info.llm.model} stage answered reset_prefix_cache without dropped_blocks")
         return int(_scalar(dropped))
@@ -497,13 +439,13 @@ class TritonPipeline(TritonGrpcUser):
     @staticmethod
     def _step(outputs: dict) -> Step:
         return Step(
-            text=_scalar(outputs.get("text_output"), ""),
-            finish_reason=_scalar(outputs.get("finish_reason"), "") or None,
-            prompt_tokens=int(_scalar(outputs.get("prompt_tokens"), 0)),
-            completion_tokens=int(_scalar(outputs.get("completion_tokens"), 0)),
-            logprobs=_json_list(outputs, "output_logprobs"),
-            prompt_logprobs=_json_list(outputs, "prompt_token_logprobs"),
-            cached_tokens=int(_scalar(outputs.get("cached_tokens"), 0)),
+            text=_scalar(outputs.get(T.TEXT_OUTPUT), ""),
+            finish_reason=_scalar(outputs.get(T.FINISH_REASON), "") or None,
+            prompt_tokens=int(_scalar(outputs.get(T.PROMPT_TOKENS), 0)),
+            completion_tokens=int(_scalar(outputs.get(T.COMPLETION_TOKENS), 0)),
+            logprobs=_json_list(outputs, T.OUTPUT_LOGPROBS),
+            prompt_logprobs=_json_list(outputs, T.PROMPT_TOKEN_LOGPROBS),
+            cached_tokens=int(_scalar(outputs.get(T.CACHED_TOKENS), 0)),
         )
 
 
@@ -515,13 +457,19 @@ def _stream_failure(exc: grpc.aio.AioRpcError, model: str) -> OpenAIError:
     return internal(f"the {model} stream failed: {exc.code().name}: {exc.details()}")
 
 
-# postprocess inputs that it rewrites; it passes its other inputs through (omni_backend/stages/postprocess.py)
-POSTPROCESS_REWRITES = ("output_logprobs", "prompt_token_logprobs")
+def _parameters(config: dict) -> dict[str, str]:
+    """A model config's string parameters."""
+    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
 
 
-def _carries_logprobs(postprocess: StepWiring, outputs: dict) -> bool:
-    """Whether an llm response has logprob entries for postprocess to rewrite ("" or absent when not asked)."""
-    return any(_scalar(outputs.get(postprocess.inputs.get(name)), "") for name in POSTPROCESS_REWRITES)
+def _names(config: dict, kind: str) -> list[str]:
+    """The names of a model config's tensors of `kind` ("input" or "output")."""
+    return [tensor["name"] for tensor in config.get(kind, [])]
+
+
+def _same(names: list[str]) -> dict[str, str]:
+    """The wiring of tensors that keep their names from step to step."""
+    return {name: name for name in names}
 
 
 def _passed_through(postprocess: StepWiring, outputs: dict) -> dict:

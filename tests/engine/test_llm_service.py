@@ -16,7 +16,7 @@ from omni_backend.stages.llm.build import build_engine_on_a_passing_thread
 from omni_backend.stages.llm.parameters import instance_device, parse_parameters
 from omni_backend.stages.llm.server_probe import parent_operator_key, parent_server_probe
 from omni_backend.stages.llm.service import LOOP_STUCK_AFTER_S, LLMService, QueueFull
-from omni_backend.stages.llm.triton_io import generation_inputs, is_reset_request
+from omni_backend.stages.llm.triton_io import cancel_key, generation_inputs, is_reset_request
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 
@@ -106,6 +106,38 @@ def test_cancellation_frees_blocks_and_ends_the_stream(service):
         time.sleep(0.01)
     assert service.engine.runner.block_manager.num_free_blocks == 64
     assert service.num_active == 0
+
+
+def test_a_cancel_by_key_ends_the_stream_as_a_client_cancel_does(service):
+    """`cancel(request_id)` (the llm model's `cancel` input, with the `stream_key` it was sent with) aborts the
+    request, frees its blocks and ends its stream with the final flag alone; an unknown key changes nothing."""
+    sink, other = ListSink(), ListSink()
+    service.submit("key-1", [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True, stream=True), sink)
+    service.submit("key-2", [5, 6, 8], SamplingParams(max_tokens=20, ignore_eos=True, stream=True), other)
+    deadline = time.monotonic() + 10
+    while not sink.outputs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    service.cancel("no-such-key")
+    service.cancel("key-1")
+    assert sink.done.wait(5)
+    sent = len(sink.outputs)
+    time.sleep(0.3)
+    assert sink.closed == 1 and len(sink.outputs) == sent and not sink.errors
+    assert sink.outputs[-1].completion_tokens < 500 and "key-1" not in service.engine.requests
+    assert other.done.wait(10) and other.outputs[-1].completion_tokens == 20 and not other.closed
+    service.cancel("key-1")  # already ended: nothing happens
+    deadline = time.monotonic() + 5
+    while service.engine.runner.block_manager.num_free_blocks != 64 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.runner.block_manager.num_free_blocks == 64 and service.num_active == 0 and sink.closed == 1
+
+
+def test_cancel_requests_are_told_apart_by_their_input():
+    key = np.array([b"omni_chat-0123"], dtype=np.object_)
+    assert cancel_key({"cancel": key}) == "omni_chat-0123"
+    assert cancel_key({"input_ids": np.array([1], dtype=np.int32), "stream_key": key}) is None
+    with pytest.raises(FieldError, match="^cancel is a request of its own: send it without input_ids"):
+        cancel_key({"cancel": key, "input_ids": np.array([1], dtype=np.int32)})
 
 
 def test_invalid_requests_raise_before_queueing_and_the_next_works(service):

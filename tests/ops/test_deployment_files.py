@@ -34,12 +34,14 @@ def test_entrypoint_renders_the_selected_models_and_runs_tritonserver_on_them(tm
     assert run.stdout.rstrip().endswith("--log-verbose=1")
 
 
-def ensemble_steps(model: str) -> set[str]:
+def pipeline_steps(model: str) -> set[str]:
+    """The models `model` calls: an ensemble's steps, a streaming entry point's `*_model` parameters."""
     text = (paths.MODEL_REPOSITORY_TEMPLATES / model / "config.pbtxt").read_text()
-    return set(re.findall(r'model_name:\s*"(\w+)"', text)) if 'platform: "ensemble"' in text else set()
+    return (set(re.findall(r'model_name:\s*"(\w+)"', text))
+            | set(re.findall(r'key: "\w+_model" value: \{ string_value: "(\w+)" \}', text)))
 
 
-def test_k8s_deployments_serve_existing_models_with_every_ensemble_step_alongside():
+def test_k8s_deployments_serve_existing_models_with_every_pipeline_step_alongside():
     docs = list(yaml.safe_load_all((DOCKER / "k8s" / "omni-stages.yaml").read_text()))
     known = set(repository.model_names())
     served = []
@@ -53,9 +55,10 @@ def test_k8s_deployments_serve_existing_models_with_every_ensemble_step_alongsid
         models = set(env["OMNI_MODELS"].split(","))
         assert models <= known, models - known
         for model in models:
-            assert ensemble_steps(model) <= models, f"{model}'s steps must be served by the same deployment"
+            assert pipeline_steps(model) <= models, f"{model}'s steps must be served by the same deployment"
         served.append(models)
     assert {"llm", "omni_chat"} <= served[0] and any("tts" in m for m in served)
+    assert pipeline_steps("omni_chat") == {"preprocess", "llm", "postprocess"}
 
 
 def test_dockerfile_copies_what_the_repository_has():

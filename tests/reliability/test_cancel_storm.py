@@ -1,15 +1,17 @@
 """Cancel storm: 200 streamed requests cancelled at random points leave nothing behind.
 
-Half are gRPC streams straight to the decoupled `llm` model, cancelled with `stop_stream(cancel_requests=True)`
-after a random number of responses (0: right after sending). Half go through the OpenAI front door and drop their
-TCP connection at a random point: before the request body is complete, right after sending it (before the first
-byte of the answer), after the status line, or after some SSE events. A few of each run to the end. At most
-`CONCURRENCY` are in flight at once, in a seeded random order.
+Half are gRPC streams cancelled with `stop_stream(cancel_requests=True)` after a random number of responses (0:
+right after sending), alternately straight to the decoupled `llm` model and to the `omni_chat` entry point (which
+must end the llm generation it started: omni_backend/stages/entry_points.py). Half go through the OpenAI front door
+and drop their TCP connection at a random point: before the request body is complete, right after sending it
+(before the first byte of the answer), after the status line, or after some SSE events. A few of each run to the
+end. At most `CONCURRENCY` are in flight at once, in a seeded random order.
 
 Afterwards, within a few seconds: the llm stage's KV blocks in use and its running/waiting requests are back at
 their starting values (omni_* gauges on Triton's metrics port, published about once a second), the front door
 holds no generation, the server process is alive, and a greedy request gives exactly the text it gave before.
-Then 500 more streams cancelled after their first response must not grow tritonserver's RSS by 5 MiB or more.
+Then 500 more streams (llm and omni_chat alike) cancelled after their first response must not grow tritonserver's
+RSS by 5 MiB or more.
 """
 
 from __future__ import annotations
@@ -59,28 +61,36 @@ def front_door_in_flight(url: str) -> float:
     return float(match.group(1))
 
 
+def chat_values(prompt: str) -> dict:
+    """A streamed chat request of MAX_TOKENS with ignore_eos, as omni_chat / preprocess tensors."""
+    return {"text_input": json.dumps([{"role": "user", "content": prompt}]), "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": True}
+
+
 def preprocessed(grpc_url: str, prompt: str) -> dict[str, np.ndarray]:
     """The llm inputs (input_ids, sampling_params) preprocess makes for a chat prompt."""
-    values = {"text_input": json.dumps([{"role": "user", "content": prompt}]), "max_tokens": MAX_TOKENS,
-              "ignore_eos": True, "stream": True}
     with grpcclient.InferenceServerClient(grpc_url) as client:
-        result = client.infer("preprocess", make_inputs(values, grpcclient))
+        result = client.infer("preprocess", make_inputs(chat_values(prompt), grpcclient))
         return {name: result.as_numpy(name) for name in ("input_ids", "sampling_params")}
 
 
-def grpc_cancel(grpc_url: str, tensors: dict[str, np.ndarray], after: int) -> Outcome:
-    """Stream one request to llm; cancel it after `after` responses (0: right after sending)."""
+def grpc_cancel(grpc_url: str, model: str, request: dict[str, np.ndarray] | str, after: int) -> Outcome:
+    """Stream one request to `model`, cancel it after `after` responses (0: right after sending). `request`: the
+    llm's input arrays (`preprocessed`) for model llm, the chat prompt for omni_chat (`chat_values`)."""
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == np.object_ else "INT32")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    if model == "llm":
+        inputs = []
+        for name, array in request.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == np.object_ else "INT32")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+    else:
+        inputs = make_inputs(chat_values(request), grpcclient)
     received, finished = 0, False
     try:
         client.start_stream(callback=lambda result, error: events.put((result, error)))
-        client.async_stream_infer("llm", inputs)
+        client.async_stream_infer(model, inputs)
         while received < after:
             result, error = events.get(timeout=WAIT_S)
             if error is not None:
@@ -163,8 +173,10 @@ def test_cancel_storm_leaves_nothing_behind(make_chat_server):
         for i in range(REQUESTS):
             prompt = rng.randrange(len(PROMPTS))
             after = rng.choice([0, 0, 1, 2]) if rng.random() < 0.4 else rng.randint(1, MAX_TOKENS + 2)
-            if i % 2 == 0:
-                jobs.append((grpc_cancel, server.grpc_url, tensors[prompt], after))
+            if i % 4 == 0:
+                jobs.append((grpc_cancel, server.grpc_url, "llm", tensors[prompt], after))
+            elif i % 4 == 2:
+                jobs.append((grpc_cancel, server.grpc_url, "omni_chat", PROMPTS[prompt], after))
             else:
                 point = rng.choice(HTTP_POINTS + ["after_send"])  # twice as many closed before the first byte
                 jobs.append((http_disconnect, door.config.port, PROMPTS[prompt], point, after))
@@ -196,8 +208,9 @@ def test_cancel_storm_leaves_nothing_behind(make_chat_server):
         # cancellation, Triton kept each cancelled request's state (~31 KiB: 500 cancels grew it by ~15 MiB)
         rss_before = psutil.Process(server.process.pid).memory_info().rss
         with ThreadPoolExecutor(CONCURRENCY) as pool:
-            leak_outcomes = list(pool.map(lambda i: grpc_cancel(server.grpc_url, tensors[i % len(tensors)], 1),
-                                          range(LEAK_CANCELS)))
+            leak_outcomes = list(pool.map(
+                lambda i: grpc_cancel(server.grpc_url, "llm", tensors[i % len(tensors)], 1) if i % 2 else
+                grpc_cancel(server.grpc_url, "omni_chat", PROMPTS[i % len(PROMPTS)], 1), range(LEAK_CANCELS)))
         assert not [o for o in leak_outcomes if o.error or o.finished]
         grown_mib = (psutil.Process(server.process.pid).memory_info().rss - rss_before) / 2**20
         assert grown_mib < 5, f"tritonserver grew {grown_mib:.1f} MiB over {LEAK_CANCELS} cancelled streams"

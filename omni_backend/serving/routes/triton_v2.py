@@ -150,7 +150,7 @@ async def _check_generate_body(door: FrontDoor, model: str, body: bytes) -> None
     for spec in config.get("input", []):
         name = spec["name"]
         if name not in values:
-            if not spec.get("optional"):  # 2.51 checks only the count of an ensemble's inputs
+            if not spec.get("optional"):  # a 400 of ours rather than Triton's own wording
                 raise errors.invalid(f"{name} is required (an input of model '{model}')", name)
             continue
         datatype = spec["data_type"].removeprefix("TYPE_").replace("STRING", "BYTES")

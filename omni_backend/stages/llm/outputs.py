@@ -63,6 +63,7 @@ class OutputRouter(BackgroundLoop):
         self._sinks: dict[str, ResponseSink] = {}
         self._submitted: dict[str, float] = {}  # request id -> time.monotonic() at submit; under `lock`
         self._finished: collections.deque[FinishedRequest] = collections.deque()
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids `cancel` was asked for
         self._next_poll = time.monotonic()
 
     @property
@@ -107,12 +108,17 @@ class OutputRouter(BackgroundLoop):
             except Exception:
                 logger.exception("failing a request failed")
 
+    def cancel(self, request_id: str) -> None:
+        """End a held request as a cancelled client's (`end_stream`), on this thread's next iteration."""
+        self._cancels.put(request_id)
+
     def iterate(self) -> None:
         for request_id, item in self.take_outbox():
             try:  # one failing delivery must not drop the others taken with it
                 self.deliver(request_id, item)
             except Exception:
                 logger.exception("delivering a response for %s failed", request_id)
+        self.take_cancels()
         if time.monotonic() >= self._next_poll:
             began = time.monotonic()
             self.poll_cancellations()
@@ -168,6 +174,18 @@ class OutputRouter(BackgroundLoop):
                     self.end_stream(request_id, sink)
         if submitted is not None and not failed and self.note_finished:
             self._finished.append(_finished_request(item, submitted, time.monotonic()))
+
+    def take_cancels(self) -> None:
+        """End the requests `cancel` was asked for since the last look (ids no longer held are skipped)."""
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                sink = self._sinks.get(request_id)
+            if sink is not None:
+                self.end_stream(request_id, sink)
 
     def poll_cancellations(self) -> None:
         """Abort cancelled requests and end their streams with the final flag (`sink.close`).

@@ -153,6 +153,12 @@ class LLMService:
             # under the lock: an abort for this id (cancel poll, stop watch) can only be queued after the add
             self.core.put(AddRequest(seq))
 
+    def cancel(self, request_id: str) -> None:
+        """End request `request_id` as if its client had cancelled it (aborted, its stream ended with the final
+        flag alone), soon, on the response thread (the only one that sends on admitted requests); nothing happens
+        for a request that already ended or was never submitted."""
+        self.router.cancel(request_id)
+
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at the start of the next loop iteration."""
         self.core.put(AbortRequest(request_id))

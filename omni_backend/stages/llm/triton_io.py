@@ -19,9 +19,10 @@ from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.vocabulary import FieldError
 
-INPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.RESET_PREFIX_CACHE, T.PASSTHROUGH, T.PROMPT_EMBEDS,
+INPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.RESET_PREFIX_CACHE, T.STREAM_KEY, T.CANCEL, T.PROMPT_EMBEDS,
                T.PROMPT_EMBED_POSITIONS, T.PROMPT_POSITIONS)
-"""The llm model's inputs (all optional in its config: which are given tells a generation from a reset)."""
+"""The llm model's inputs (all optional in its config: which are given tells a generation from a reset or a
+cancel)."""
 
 
 def is_reset_request(arrays: dict) -> bool:
@@ -37,6 +38,24 @@ def is_reset_request(arrays: dict) -> bool:
     if given:
         raise FieldError(T.RESET_PREFIX_CACHE, f"is a request of its own: send it without {' and '.join(given)}")
     return True
+
+
+def cancel_key(arrays: dict) -> str | None:
+    """The key of a cancel request (`cancel` STRING [1]: the `stream_key` of the generation to end), None for any
+    other request. The streaming entry points (stages/entry_points.py) end their llm generations this way, because
+    python_backend 24.10 cannot cancel a request a Python model sent.
+
+    Raises:
+        FieldError: `cancel` together with a generation input (a cancel is a request of its own), or not one UTF-8
+            string.
+    """
+    key = one_value(arrays, T.CANCEL, str)
+    if key is None:
+        return None
+    given = [name for name in (T.INPUT_IDS, T.SAMPLING_PARAMS, T.STREAM_KEY) if name in arrays]
+    if given:
+        raise FieldError(T.CANCEL, f"is a request of its own: send it without {' and '.join(given)}")
+    return key
 
 
 def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams, PromptEmbeds | None,
@@ -73,9 +92,9 @@ def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams, PromptEm
                                      torch.from_numpy(np.array(embeds, dtype=np.float32))), rope
 
 
-def output_arrays(output: RequestOutput, passthrough: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """One response's output arrays for an engine output (and the request's `passthrough` input, echoed)."""
-    arrays = {
+def output_arrays(output: RequestOutput) -> dict[str, np.ndarray]:
+    """One response's output arrays for an engine output."""
+    return {
         T.TEXT_OUTPUT: string_tensor(output.text),
         T.OUTPUT_IDS: np.array(output.token_ids, dtype=np.int32),
         T.FINISH_REASON: string_tensor(output.finish_reason or ""),
@@ -85,9 +104,6 @@ def output_arrays(output: RequestOutput, passthrough: np.ndarray | None = None) 
         T.OUTPUT_LOGPROBS: string_tensor(logprobs_json(output.logprobs)),
         T.PROMPT_TOKEN_LOGPROBS: string_tensor(logprobs_json(output.prompt_logprobs)),
     }
-    if passthrough is not None:
-        arrays[T.PASSTHROUGH] = passthrough
-    return arrays
 
 
 def reset_arrays(dropped_blocks: int) -> dict[str, np.ndarray]:
@@ -104,13 +120,13 @@ def logprobs_json(entries: list[TokenLogprob] | None) -> str:
 
 class OutputSink:
     """A request's `outputs.ResponseSink` over its stream (`triton_glue.StreamSender`): each engine output as the
-    llm model's response arrays, with the request's `passthrough` echoed."""
+    llm model's response arrays."""
 
-    def __init__(self, sender, passthrough: np.ndarray | None = None):
-        self.sender, self.passthrough = sender, passthrough
+    def __init__(self, sender):
+        self.sender = sender
 
     def send(self, output: RequestOutput) -> None:
-        self.sender.send(output_arrays(output, self.passthrough), final=output.finished)
+        self.sender.send(output_arrays(output), final=output.finished)
 
     def fail(self, error: BaseException) -> None:
         self.sender.fail(error)
@@ -124,14 +140,15 @@ class OutputSink:
 
 def serve_request(service, arrays: dict, request_parameters: dict, request_id: str, sender) -> None:
     """Everything the llm model does with one request: an operator's reset (answered here, after the engine loop
-    did it: at most one step) or a generation handed to `service` (`LLMService`); any refusal or fault ends only
-    this request's stream with its error.
+    did it: at most one step), a cancel by key (`cancel_key`: the generation it names ends as a cancelled client's
+    does, and this request gets the final flag alone), or a generation handed to `service` (`LLMService`), under its
+    `stream_key` when it has one; any refusal or fault ends only this request's stream with its error.
 
     Args:
         service: the stage's LLMService.
         arrays: the request's input arrays (`INPUT_NAMES`).
         request_parameters: the request's parameters (Triton's `request.parameters()`, decoded JSON).
-        request_id: unique id for the engine.
+        request_id: unique id for the engine, used when the request has no `stream_key`.
         sender: the request's stream (`triton_glue.StreamSender`).
     """
     try:
@@ -139,8 +156,13 @@ def serve_request(service, arrays: dict, request_parameters: dict, request_id: s
             dropped = service.reset_prefix_cache_as_operator(request_parameters.get(ADMIN_KEY_HEADER))
             sender.send(reset_arrays(dropped), final=True)
             return
+        key = cancel_key(arrays)
+        if key is not None:
+            service.cancel(key)
+            sender.close()
+            return
         ids, params, embeds, rope = generation_inputs(arrays)
-        service.submit(request_id, ids, params, OutputSink(sender, arrays.get(T.PASSTHROUGH)), prompt_embeds=embeds,
-                       prompt_positions=rope)
+        service.submit(one_value(arrays, T.STREAM_KEY, str) or request_id, ids, params, OutputSink(sender),
+                       prompt_embeds=embeds, prompt_positions=rope)
     except Exception as exc:  # bad input, refused (too hot, queue full), or a fault: this request only
         sender.fail(exc)

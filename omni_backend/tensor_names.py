@@ -7,7 +7,7 @@ module spells one out). The sampling settings' tensors (`max_tokens`, `random_se
 `stop_words`, ...) are kept as they are there: genai-perf and Triton's own OpenAI frontend send them.
 """
 
-# The prompt: inputs of the chat ensembles (omni_chat, omni_chat_mm, omni_speech) and of preprocess.
+# The prompt: inputs of the chat entry points (omni_chat, omni_chat_mm, omni_speech) and of preprocess.
 TEXT_INPUT = "text_input"  # BYTES [1]: a plain prompt, or a JSON array of chat messages
 PROMPT_TOKEN_IDS = "prompt_token_ids"  # INT32 [n]: a prompt given as token ids
 ADD_GENERATION_PROMPT = "add_generation_prompt"  # BOOL [1]: the chat template opens the assistant's turn

@@ -4,9 +4,9 @@ Every error leaves the front door as `{"error": {"message", "type", "param", "co
 OpenAI API uses. A stage's error reaches the front door as a message (gRPC streams carry nothing else in Triton
 2.51) whose header names its kind and field (`omni_backend.vocabulary.StageError`); `from_triton` reads that
 header, so the status is the kind's, never a guess from the wording. Messages without a header are Triton's own:
-its words for a stage whose Python stub process died ("Stub process '<model>_0_0' is not healthy.", this 2.51
-build restarts no stub, see docs/architecture.md "A dead stage") become 503 + Retry-After naming the stage; the
-rest take their gRPC status (INVALID_ARGUMENT 400, UNAVAILABLE 503, NOT_FOUND 503, DEADLINE_EXCEEDED 504). On a
+its words for a stage whose Python stub process died ("Stub process '<model>_0_0' is not healthy.": this 2.51
+build restarts no stub, docs/operations.md "Triton 2.51 workarounds") become 503 + Retry-After naming the stage;
+the rest take their gRPC status (INVALID_ARGUMENT 400, UNAVAILABLE 503, NOT_FOUND 503, DEADLINE_EXCEEDED 504). On a
 stream, where there is no status, Triton's words for a model it is not serving (unloaded at shutdown, not
 ready, its queue full) are 503 (`TRITON_UNAVAILABLE`), and anything else is a fault (500): the front door built
 the request, so Triton refusing it is not the client's doing.

@@ -1,5 +1,5 @@
 """A chat answer spoken as well as written (`"modalities": ["text", "audio"]`): the chat pipeline runs as for text,
-the streamed text is cut into phrases by the omni_speech ensemble's `SentenceChunker`, and the `tts` stage speaks
+the streamed text is cut into phrases by the tts stage's `SentenceChunker` (stages/tts_text.py), and `tts` speaks
 each phrase as soon as it is complete, while the LLM goes on. serving/responses.py shapes the answer as a written
 one, with OpenAI's audio pieces from here: `message.audio` (id, base64 data, expires_at, transcript = the text),
 or streamed `delta.audio.transcript` per text delta, `delta.audio.data` per phrase (pcm16 only, as with OpenAI)

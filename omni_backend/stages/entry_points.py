@@ -4,7 +4,8 @@ pipeline's stages for each request (BLS) and end what they started when the clie
 Why not ensembles: Triton cancels an ensemble request only between its steps (a step scheduled after the
 cancellation is cancelled in its queue: core's ensemble_scheduler.cc, PR triton-inference-server/core#263), never a
 request already inside a step, in 2.51 as in Triton's main branch; so a cancelled ensemble stream left the decoupled
-llm step generating, and holding KV blocks, until max_tokens. A Python model sees its own request's cancellation
+llm step generating, and holding KV blocks, until max_tokens (seen: `omni_requests_running` still 1 and the KV blocks
+in use still growing 10 s after the cancel). A Python model sees its own request's cancellation
 (`is_cancelled()`: a gRPC stream the client cancelled, an HTTP `generate_stream` whose client went away, which 2.51
 notices when it writes the next response) and ends the llm request it started.
 

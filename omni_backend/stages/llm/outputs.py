@@ -192,9 +192,9 @@ class OutputRouter(BackgroundLoop):
 
         python_backend's contract is that a decoupled model still sends the final flag for a cancelled request;
         without it Triton 2.51 never releases the request's gRPC state (measured: tritonserver grew ~31 KiB per
-        cancelled llm stream, without end). The sink is dropped before the flag is sent, and this thread is the
-        only one sending on admitted requests, so nothing is sent after it: the request's outputs still queued
-        find no sink in `deliver`."""
+        cancelled llm stream, without end) and keeps the model "live" at shutdown. The sink is dropped before the
+        flag is sent, and this thread is the only one sending on admitted requests, so nothing is sent after it:
+        the request's outputs still queued find no sink in `deliver`."""
         with self.lock:
             sinks = list(self._sinks.items())
         for request_id, sink in sinks:

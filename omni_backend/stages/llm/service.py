@@ -9,7 +9,11 @@ Admission: the power/temperature governor (omni_backend/ops/governor.py) may ref
 its critical temperature (`NotAdmitting`, Triton UNAVAILABLE); and the service holds at most `max_num_seqs +
 max_queued_requests` requests (running plus waiting): past that `submit` refuses at once with `QueueFull` (Triton
 UNAVAILABLE, error kind QUEUE_FULL: "waiting queue is full ... retry later"), so a burst never grows an unbounded
-queue, and every request it accepted runs to the end.
+queue, and every request it accepted runs to the end. The refusal is synchronous (an error response straight from
+`execute`, in milliseconds). The bound counts the requests held, not the scheduler's waiting list: that list fills
+only when the engine loop drains its inbox, so read before then a burst would show none waiting, read after it
+would show requests that could run at once as waiting. When the KV cache cannot hold `max_num_seqs` sequences, fewer
+run and more of the held ones wait.
 
 Errors reach a request's stream as `StageError`s (`omni_backend.vocabulary`): a step or loop that fails is INTERNAL,
 a request the engine cannot take INVALID_ARGUMENT (or CONTEXT_LENGTH_EXCEEDED), the server shutting down

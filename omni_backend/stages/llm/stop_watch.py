@@ -5,7 +5,8 @@ out with a decoupled request in flight, 2.51 crashes in its teardown (signal 11/
 those clients. So while requests are held a watch thread asks every STOP_POLL_INTERVAL_S whether the server is
 stopping (`server_probe.parent_server_probe`); from then on requests get `grace_s` (the exit timeout less
 STOP_MARGIN_S) to finish, and those still held are aborted (finish reason "abort"), so the server exits cleanly and
-every client gets an ending.
+every client gets an ending. Measured with an exit timeout of 8 s: the shutdown seen within 0.5 s, the abort at
++5 s, exit status 0 at about +7 s (tests/reliability/test_shutdown.py).
 """
 
 from __future__ import annotations

@@ -189,7 +189,8 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Offer to the cache `seq`'s full blocks whose KV is now computed (call after each step that computed
-        tokens of it). A name already cached for another block leaves this copy unnamed."""
+        tokens of it), prompt and generated tokens alike: a chat's next turn resends the answer. A name already
+        cached for another block leaves this copy unnamed."""
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size

@@ -250,9 +250,6 @@ class TritonPipeline(TritonGrpcUser):
         extra = {}
         if result.as_numpy(T.MEDIA_PARTS) is not None:
             extra = await self._encode_media(result, prompt_field, request_id)
-        rope = result.as_numpy(T.PROMPT_POSITIONS)
-        if rope is not None and rope.size:  # M-RoPE ids of a prompt with media (Qwen2.5-Omni)
-            extra[T.PROMPT_POSITIONS] = rope
         return Prepared(tensors, prompt_tokens, prompt_text, extra=extra)
 
     async def _encode_media(self, result, prompt_field: str, request_id: str) -> dict[str, np.ndarray]:
@@ -304,6 +301,8 @@ class TritonPipeline(TritonGrpcUser):
         inputs = []
         for llm_input, tensor_name in info.llm.inputs.items():
             array = prepared.tensors[from_preprocess[tensor_name]]
+            if array is None:  # an optional output this preprocess did not send (prompt_positions without media)
+                continue
             tensor = grpcclient.InferInput(llm_input, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)

@@ -86,7 +86,9 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     served = [long_result["r"]]
     served.append(stream_infer(server.grpc_url, {"text_input": chat_messages("What is the capital of France?"),
                                                  "max_tokens": 16, "stream": True, "temperature": 0}))
-    served.append(stream_infer(server.grpc_url, {"text_input": "One", "max_tokens": 1, "stream": True}))
+    # with logprobs: the entry point calls postprocess only for responses that carry them
+    served.append(stream_infer(server.grpc_url, {"text_input": "One", "max_tokens": 1, "stream": True,
+                                                 "logprobs": 1}))
     # the same chat again: its full prompt blocks come from the prefix cache
     served.append(stream_infer(server.grpc_url, {"text_input": chat_messages("What is the capital of France?"),
                                                  "max_tokens": 4, "stream": True, "temperature": 0}))

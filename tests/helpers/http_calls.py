@@ -1,4 +1,5 @@
-"""Plain HTTP calls for the speech and image tests (status, headers and body bytes, errors included)."""
+"""Plain HTTP calls for the speech and image tests (status, headers and body bytes, errors included), and Triton's
+per-model statistics."""
 
 from __future__ import annotations
 
@@ -40,3 +41,9 @@ def sse_timed(url: str, body: dict, timeout: float = 180) -> list[tuple[float, o
                 data = line[len("data: "):]
                 events.append((time.monotonic() - started, data if data == "[DONE]" else json.loads(data)))
     return events
+
+
+def model_stats(http_url: str, model: str) -> dict:
+    """Triton's statistics of one model (version 1): inference_count, execution_count, ..."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=30) as response:
+        return json.loads(response.read())["model_stats"][0]

@@ -18,7 +18,7 @@ import time
 
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.ops.governor import Governor
-from omni_backend.stages.llm.loop import BackgroundLoop
+from omni_backend.stages.llm.loop import BackgroundLoop, drained
 from omni_backend.stages.llm.messages import AbortRequest, AddRequest, InboxMessage, ResetPrefixCache
 from omni_backend.vocabulary import ErrorKind, StageError
 
@@ -91,11 +91,7 @@ class EngineCore(BackgroundLoop):
 
     def drain_inbox(self) -> None:
         """Carry out every message waiting in the inbox, in order."""
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for message in drained(self._inbox):
             if isinstance(message, AddRequest):
                 try:
                     self.engine.add_sequence(message.sequence)

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from typing import Iterator, TypeVar
+
+Item = TypeVar("Item")
 
 logger = logging.getLogger(__name__)
+
+
+def drained(items: queue.SimpleQueue[Item]) -> Iterator[Item]:
+    """What is in `items` now, taken in order without waiting."""
+    while True:
+        try:
+            yield items.get_nowait()
+        except queue.Empty:
+            return
 
 
 class BackgroundLoop:

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 from omni_backend.engine.llm_engine import RequestOutput
 from omni_backend.ops.metrics import FinishedRequest
-from omni_backend.stages.llm.loop import BackgroundLoop
+from omni_backend.stages.llm.loop import BackgroundLoop, drained
 from omni_backend.vocabulary import StageError
 
 logger = logging.getLogger(__name__)
@@ -177,11 +177,7 @@ class OutputRouter(BackgroundLoop):
 
     def take_cancels(self) -> None:
         """End the requests `cancel` was asked for since the last look (ids no longer held are skipped)."""
-        while True:
-            try:
-                request_id = self._cancels.get_nowait()
-            except queue.Empty:
-                return
+        for request_id in drained(self._cancels):
             with self.lock:
                 sink = self._sinks.get(request_id)
             if sink is not None:

@@ -10,6 +10,7 @@ module spells one out). The sampling settings' tensors (`max_tokens`, `random_se
 # The prompt: inputs of the chat entry points (omni_chat, omni_chat_mm, omni_speech) and of preprocess.
 TEXT_INPUT = "text_input"  # BYTES [1]: a plain prompt, or a JSON array of chat messages
 PROMPT_TOKEN_IDS = "prompt_token_ids"  # INT32 [n]: a prompt given as token ids
+PROMPT_IS_TEXT = "prompt_is_text"  # BOOL [1]: text_input is a plain prompt even when it starts with '['
 ADD_GENERATION_PROMPT = "add_generation_prompt"  # BOOL [1]: the chat template opens the assistant's turn
 CONTINUE_FINAL_MESSAGE = "continue_final_message"  # BOOL [1]: the prompt ends inside the last assistant message
 

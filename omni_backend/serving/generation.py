@@ -21,9 +21,9 @@ from omni_backend.stages.tts_options import SpeechOptions
 
 @dataclass
 class Prompt:
-    """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids, and the chat
-    template flags that differ from their defaults (`add_generation_prompt`, `continue_final_message`: preprocess's
-    BOOL inputs of those names)."""
+    """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids, and the
+    preprocess BOOL inputs that differ from their defaults (`template`: the chat template flags
+    `add_generation_prompt` and `continue_final_message`, or `prompt_is_text` for a completions prompt)."""
 
     text: str = ""
     token_ids: list[int] | None = None

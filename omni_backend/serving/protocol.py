@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from omni_backend import tensor_names as T
 from omni_backend.serving.errors import OpenAIError, invalid
 from omni_backend.serving.generation import GenerationRequest, Prompt
 from omni_backend.stages import tts_audio
@@ -377,7 +378,7 @@ class CompletionRequest(_Request):
                 raise invalid("prompt must not be empty" if len(items) == 1 else f"prompt[{i}] must not be empty",
                               "prompt")
             if isinstance(item, str):
-                prompts.append(Prompt(text=item))
+                prompts.append(Prompt(text=item, template={T.PROMPT_IS_TEXT: True}))  # never a messages array
                 continue
             if not all(DATATYPE_RANGES["INT32"].contains(token) for token in item):
                 raise invalid(f"prompt holds a token id outside the INT32 range: {max(item, key=abs)}", "prompt")

@@ -240,7 +240,7 @@ class EntryPoint:
         error: StageFailure | StageError | None = None
         try:
             self._pipeline(request, arrays)
-        except StageFailure as failure:
+        except (StageFailure, StageError) as failure:  # a stage's answer, or a request this entry point refuses
             error = failure
         except Exception as exc:  # a fault here fails this request only
             logger.exception("%s request %s failed", self.name, request.request_id)
@@ -271,11 +271,17 @@ class EntryPoint:
         if steps.speech_options is not None:
             given = {name: arrays[name] for name in SPEECH_OPTION_INPUTS if name in arrays}
             options = stages.infer(steps.speech_options, given, (T.OPTIONS,), rid)[T.OPTIONS]
-        wanted = (T.INPUT_IDS, T.SAMPLING_PARAMS) + ((*MEDIA_INPUTS, T.PROMPT_POSITIONS) if steps.media else ())
+        wanted = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.MEDIA_PARTS) + ((*MEDIA_INPUTS, T.PROMPT_POSITIONS)
+                                                                   if steps.media else ())
         prepared = stages.infer(steps.preprocess, {k: v for k, v in arrays.items() if k not in SPEECH_OPTION_INPUTS},
                                 wanted, rid)
         llm_inputs = {T.INPUT_IDS: prepared[T.INPUT_IDS], T.SAMPLING_PARAMS: prepared[T.SAMPLING_PARAMS]}
-        if steps.media is not None and json.loads(one_value(prepared, T.MEDIA_PARTS, str, "[]")):
+        has_media = bool(json.loads(one_value(prepared, T.MEDIA_PARTS, str, "[]")))
+        if has_media and steps.media is None:  # the placeholders would reach the llm without their embeddings
+            raise StageError(ErrorKind.INVALID_ARGUMENT, f"{T.TEXT_INPUT} has image, audio or video parts: "
+                             f"{self.name} takes text only (send them to a multimodal entry point, omni_chat_mm)",
+                             T.TEXT_INPUT)
+        if has_media:
             llm_inputs.update(stages.infer(steps.media, {k: prepared[k] for k in MEDIA_INPUTS},
                                            (T.PROMPT_EMBEDS, T.PROMPT_EMBED_POSITIONS), rid))
         positions = prepared.get(T.PROMPT_POSITIONS)

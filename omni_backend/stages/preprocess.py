@@ -11,6 +11,8 @@ Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_
     prompt_token_ids    INT32   a prompt given as token ids (the OpenAI front door's completions with
                                 token-id prompts); when present it is used as it is and `text_input`
                                 is ignored (send "")
+    prompt_is_text      BOOL    (default false) `text_input` is a plain prompt even when it starts with '[' (the
+                                OpenAI front door sends it for completions prompts, which are never messages)
     add_generation_prompt BOOL  (messages only; default true) end the prompt with the template's opening of an
                                 assistant turn
     continue_final_message BOOL (messages only; default false) end the prompt inside the last message, which
@@ -65,7 +67,8 @@ from omni_backend.stages.tensors import one_value, string_tensor, text_list
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
 
 TEMPLATE_FLAGS = {T.ADD_GENERATION_PROMPT: True, T.CONTINUE_FINAL_MESSAGE: False}  # BOOL inputs -> their defaults
-INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, *TEMPLATE_FLAGS)
+INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, T.PROMPT_IS_TEXT,
+               *TEMPLATE_FLAGS)
 OUTPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.PROMPT_TEXT)
 _PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
 
@@ -411,7 +414,8 @@ class Preprocessor:
         settings = self.settings(arrays)
         flags = {name: one_value(arrays, name, bool, default) for name, default in TEMPLATE_FLAGS.items()}
         media = {}
-        is_messages = arrays.get(T.PROMPT_TOKEN_IDS) is None and text.lstrip().startswith("[")
+        is_messages = arrays.get(T.PROMPT_TOKEN_IDS) is None and not one_value(arrays, T.PROMPT_IS_TEXT, bool, False) \
+            and text.lstrip().startswith("[")
         if not is_messages:
             for name, default in TEMPLATE_FLAGS.items():
                 if flags[name] != default:

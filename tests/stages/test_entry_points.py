@@ -288,3 +288,15 @@ def test_the_model_configs_name_their_steps():
     assert steps("omni_chat") == CHAT
     assert steps("omni_chat_mm") == MM
     assert steps("omni_speech") == SPEECH
+
+
+def test_a_text_only_entry_point_refuses_media_parts_instead_of_answering_without_them(run):
+    """omni_chat's preprocess decodes media into placeholder tokens too; without media_embed the llm would read
+    them with no embeddings, so the request is refused, naming text_input, and the llm is never called."""
+    stages = FakeStages([llm_response("never", "stop")], media_parts='[{"kind": "image", "tokens": 2, "items": 1}]')
+    client = ListClient()
+    run(CHAT, stages, client)
+    assert [model for model, _ in stages.calls] == ["preprocess"] and client.sent == []
+    (error,) = client.errors
+    assert (error.kind, error.field) == (ErrorKind.INVALID_ARGUMENT, "text_input")
+    assert "omni_chat_mm" in error.message

@@ -140,9 +140,13 @@ class EntryPointModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             client = SenderClient(self.pb_utils, request.get_response_sender(), self.name, self.retired)
-            # copies: the request's tensors may be released once execute returns, before its thread reads them
-            arrays = {name: np.array(array) for name, array in request_arrays(self.pb_utils, request,
-                                                                               self.inputs).items()}
+            try:
+                # copies: the request's tensors may be released once execute returns, before its thread reads them
+                arrays = {name: np.array(array) for name, array in request_arrays(self.pb_utils, request,
+                                                                                   self.inputs).items()}
+            except Exception as exc:  # unreadable inputs: this request only
+                client.fail(StageError.of(exc, self.name))
+                continue
             self.entry.submit(arrays, client, request.request_id())
 
     def finalize(self) -> None:

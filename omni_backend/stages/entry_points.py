@@ -357,5 +357,8 @@ class EntryPoint:
         with self._lock:
             live = [r for r in self._requests if not r.cancelled and not r.finished]
         for request in live:
-            if request.poll_cancelled() and request.stream_key is not None:
-                self._cancel_llm(request)
+            try:  # one failing poll must not hide the others' cancellations
+                if request.poll_cancelled() and request.stream_key is not None:
+                    self._cancel_llm(request)
+            except Exception:
+                logger.exception("%s: polling request %s for cancellation failed", self.name, request.request_id)

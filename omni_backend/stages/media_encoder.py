@@ -90,7 +90,9 @@ class EncoderStage:
 
     def run_batch(self, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
         """A dynamic batch: each request's input arrays (`input_names`) -> its `embeddings`, or the error of that
-        request alone (items that are not finite, valid frames outside [1, frames]); the good ones run together.
+        request alone (items that are not finite, valid frames outside [1, frames]); the good ones run together,
+        one pass per item shape, and a pass that fails (an item of a shape the encoder cannot read) fails only the
+        requests whose items were in it.
 
         Raises:
             ValueError: this server has no encoder of its kind (every request fails alike).
@@ -106,10 +108,17 @@ class EncoderStage:
                 good.append(index)
             except ValueError as exc:
                 results[index] = exc
-        if good:
-            lengths = [requests[i][T.INPUT_LENGTHS].reshape(-1) for i in good] if self.kind == "audio" else None
-            for index, out in zip(good, self.run([requests[i][name] for i in good], lengths)):
-                results[index] = {T.EMBEDDINGS: np.ascontiguousarray(out)}
+        by_shape: dict[tuple, list[int]] = {}
+        for index in good:
+            by_shape.setdefault(tuple(requests[index][name].shape[1:]), []).append(index)
+        for group in by_shape.values():
+            lengths = [requests[i][T.INPUT_LENGTHS].reshape(-1) for i in group] if self.kind == "audio" else None
+            try:
+                outputs = self.run([requests[i][name] for i in group], lengths)
+            except Exception as exc:  # logged with its traceback by the glue's error path: this group only
+                outputs = [exc] * len(group)
+            for index, out in zip(group, outputs):
+                results[index] = out if isinstance(out, Exception) else {T.EMBEDDINGS: np.ascontiguousarray(out)}
         return results
 
     def _check(self, arrays: dict[str, np.ndarray]) -> None:

@@ -100,3 +100,27 @@ def test_the_metrics_count_items_and_hits():
     metrics.publish(num_items=1, num_encoded=1)
     metrics.publish(num_items=3, num_encoded=2)
     assert (metrics.items.value, metrics.hits.value) == (3, 1)
+
+
+class _ThreeChannelEncoder(_CountingEncoder):
+    """Refuses items that are not 3 channels, as a real vision tower's first convolution does."""
+
+    def forward(self, x, lengths=None):
+        if x.shape[1] != 3:
+            raise RuntimeError(f"expected 3 channels, got {x.shape[1]}")
+        return super().forward(x, lengths)
+
+
+def test_a_bad_item_in_a_dynamic_batch_fails_only_its_own_request():
+    """Per request of one batch: a NaN item and an item of a shape the encoder cannot read each fail their own
+    request; the good one gets the embeddings it gets alone."""
+    from omni_backend import tensor_names as T
+
+    stage = EncoderStage(_ThreeChannelEncoder())
+    good, nan, four_channels = _image(3), _image(4), np.zeros((1, 4, 8, 8), dtype=np.float32)
+    nan[0, 0, 1, 2] = np.nan
+    results = stage.run_batch([{T.PIXEL_VALUES: nan}, {T.PIXEL_VALUES: good}, {T.PIXEL_VALUES: four_channels}])
+    assert isinstance(results[0], ValueError) and "pixel_values must be finite" in str(results[0])
+    assert isinstance(results[2], RuntimeError) and "expected 3 channels" in str(results[2])
+    alone = EncoderStage(_ThreeChannelEncoder()).run([good])[0]
+    np.testing.assert_array_equal(results[1][T.EMBEDDINGS], alone)

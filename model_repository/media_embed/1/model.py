@@ -11,6 +11,7 @@ from omni_backend import tensor_names as T
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
 from omni_backend.stages.triton_glue import request_arrays, response, start_heartbeat, triton_error
 from omni_backend.stages.tensors import one_value
+from omni_backend.vocabulary import ErrorKind, StageError
 
 INPUT_NAMES = (T.MEDIA_PARTS, T.MEDIA_POSITIONS, T.PIXEL_VALUES, T.INPUT_FEATURES)
 
@@ -36,13 +37,16 @@ class TritonPythonModel:
                 for call in calls]
             outputs = []
             for answer in await asyncio.gather(*(r.async_exec() for r in encoder_requests)):
-                if answer.has_error():
-                    raise ValueError(answer.error().message())
+                if answer.has_error():  # the encoder's own error kind goes on (a fault stays the server's)
+                    message = answer.error().message()
+                    raise StageError.parse(message) or StageError(ErrorKind.INTERNAL, message)
                 outputs.append(pb_utils.get_output_tensor_by_name(answer, T.EMBEDDINGS).as_numpy())
             return response(pb_utils, splice_embeddings(parts, arrays[T.MEDIA_POSITIONS], calls, outputs))
-        except (ValueError, KeyError, IndexError) as exc:
+        except (KeyError, IndexError, json.JSONDecodeError) as exc:  # media_parts that do not describe the items
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, ValueError(f"media_embed: {exc}"),
                                                                  "media_embed"))
+        except Exception as exc:  # this request only
+            return pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, "media_embed"))
 
     def finalize(self):
         self.heartbeat.stop()

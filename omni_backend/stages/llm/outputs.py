@@ -194,7 +194,12 @@ class OutputRouter(BackgroundLoop):
         with self.lock:
             sinks = list(self._sinks.items())
         for request_id, sink in sinks:
-            if sink.is_cancelled():
+            try:
+                cancelled = sink.is_cancelled()
+            except Exception:  # a sender that cannot answer has no client left to answer to
+                logger.exception("asking whether %s was cancelled failed; ending it", request_id)
+                cancelled = True
+            if cancelled:
                 self.end_stream(request_id, sink)
 
     def end_stream(self, request_id: str, sink: ResponseSink) -> None:

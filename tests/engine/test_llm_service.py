@@ -448,3 +448,35 @@ def test_reset_prefix_cache_drops_the_cached_blocks_between_steps(service):
     service.submit("third", prompt, params, sink)
     assert sink.done.wait(30)
     assert sink.outputs[-1].cached_tokens == 0
+
+
+def test_a_cancel_that_overtakes_its_generation_or_reaches_another_instance_still_ends_it(tiny_qwen2_path, tmp_path):
+    """Two llm instances share a cancel board (one per GPU in production): a cancel sent to the instance that does
+    not hold the generation ends it on the other; a cancel sent before its generation arrived ends it on arrival."""
+    from omni_backend.stages.llm.cancel_board import CancelBoard
+
+    def instance():
+        engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                        max_num_seqs=4, max_model_len=512))
+        return LLMService(engine, cancel_board=CancelBoard(tmp_path / "board"))
+
+    holder, other = instance(), instance()
+    for service in (holder, other):
+        service.start()
+    try:
+        params = SamplingParams(max_tokens=400, ignore_eos=True, stream=True)
+        sink = ListSink()
+        holder.submit("omni_chat-key-1", [5, 6, 7], params, sink)
+        deadline = time.monotonic() + 10
+        while not sink.outputs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        other.cancel("omni_chat-key-1")  # the wrong instance: it posts the cancel on the board
+        assert sink.done.wait(5) and sink.closed == 1 and sink.outputs[-1].completion_tokens < 400
+        early = ListSink()
+        holder.cancel("omni_chat-key-2")  # before the generation: remembered
+        holder.submit("omni_chat-key-2", [5, 6, 8], params, early)
+        assert early.done.wait(5) and early.closed == 1
+        assert list((tmp_path / "board").iterdir()) == []  # every posted cancel was used up
+    finally:
+        for service in (holder, other):
+            service.shutdown()

@@ -10,6 +10,7 @@ from omni_backend.ops.governor import Governor
 from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
 from omni_backend.ops.hardware import cpu_engine_threads, runtime_versions
 from omni_backend.ops.metrics import LLMMetrics
+from omni_backend.stages.llm.cancel_board import CancelBoard, shared_folder
 from omni_backend.stages.llm.parameters import parse_parameters
 from omni_backend.stages.llm.server_probe import parent_operator_key, parent_server_probe
 from omni_backend.stages.llm.service import LLMService
@@ -55,7 +56,8 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     On a GPU the process is first capped at `gpu_memory_utilization` of the device (ops/gpu_budget.py), the share
     the engine sizes its KV cache in. A CPU engine gets `cpu_threads` torch threads, 0 meaning the usable cores
     minus one (`ops.hardware.cpu_engine_threads`). With `pb_utils` (in a stub process) the operator's key for
-    prefix cache resets and the stop probe are the parent tritonserver's (`server_probe`).
+    prefix cache resets and the stop probe are the parent tritonserver's (`server_probe`), and cancels by key are
+    shared with the server's other llm instances (`cancel_board`).
 
     Raises:
         ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises.
@@ -79,5 +81,6 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)
     stop_grace_s = max(0.0, exit_timeout_s - STOP_MARGIN_S) if exit_timeout_s is not None else None
     operator_key = parent_operator_key() if pb_utils is not None else None
+    board = CancelBoard(shared_folder()) if pb_utils is not None else None
     return LLMService(engine, governor, metrics, metrics_interval_s, parsed.stage.max_queued_requests, probe,
-                      stop_grace_s, operator_key)
+                      stop_grace_s, operator_key, board)

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 
 from omni_backend.engine.llm_engine import RequestOutput
 from omni_backend.ops.metrics import FinishedRequest
+from omni_backend.stages.llm.cancel_board import CancelBoard
 from omni_backend.stages.llm.loop import BackgroundLoop, drained
 from omni_backend.vocabulary import StageError
 
@@ -49,13 +50,17 @@ class OutputRouter(BackgroundLoop):
         outbox: the engine loop's `(request id, RequestOutput | StageError)` pairs (`EngineCore.outbox`).
         abort: asks the engine loop to abort a request (called for a cancelled client or a failed send).
         note_finished: whether finished requests' timings are kept for the metrics thread (`take_finished`).
+        board: where cancels by key that found no held request wait for it (`cancel_board.CancelBoard`; default:
+            this process only).
 
     Attributes:
         last_iteration: `time.monotonic()` when the thread last began an iteration (for the stage's heartbeat).
     """
 
-    def __init__(self, outbox: queue.SimpleQueue, abort: Callable[[str], None], note_finished: bool = False):
+    def __init__(self, outbox: queue.SimpleQueue, abort: Callable[[str], None], note_finished: bool = False,
+                 board: CancelBoard | None = None):
         super().__init__("llm-responses")
+        self.board = board if board is not None else CancelBoard()
         self.outbox = outbox
         self.abort = abort
         self.note_finished = note_finished
@@ -121,6 +126,8 @@ class OutputRouter(BackgroundLoop):
         self.take_cancels()
         if time.monotonic() >= self._next_poll:
             began = time.monotonic()
+            for request_id in self.board.claim(self.held()):
+                self.cancel(request_id)
             self.poll_cancellations()
             took = time.monotonic() - began
             self._next_poll = began + took + max(CANCEL_POLL_INTERVAL_S, CANCEL_POLL_SPACING * took)
@@ -176,12 +183,15 @@ class OutputRouter(BackgroundLoop):
             self._finished.append(_finished_request(item, submitted, time.monotonic()))
 
     def take_cancels(self) -> None:
-        """End the requests `cancel` was asked for since the last look (ids no longer held are skipped)."""
+        """End the requests `cancel` was asked for since the last look; a cancel whose request is not held goes to
+        the board, for a generation that arrives later or that another llm instance holds."""
         for request_id in drained(self._cancels):
             with self.lock:
                 sink = self._sinks.get(request_id)
             if sink is not None:
                 self.end_stream(request_id, sink)
+            else:
+                self.board.post(request_id)
 
     def poll_cancellations(self) -> None:
         """Abort cancelled requests and end their streams with the final flag (`sink.close`).

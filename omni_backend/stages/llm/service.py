@@ -35,6 +35,7 @@ from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds, PromptPositions
 from omni_backend.ops.governor import Governor
 from omni_backend.ops.metrics import LLMMetrics, LLMStats
+from omni_backend.stages.llm.cancel_board import CancelBoard
 from omni_backend.stages.llm.core import EngineCore
 from omni_backend.stages.llm.loop import BackgroundLoop
 from omni_backend.stages.llm.messages import AbortRequest, AddRequest, ResetPrefixCache
@@ -81,6 +82,8 @@ class LLMService:
             None: never aborted.
         operator_key: the key `reset_prefix_cache_as_operator` requires (`server_probe.parent_operator_key`);
             None: nobody may reset through it.
+        cancel_board: where cancels by key that found no request wait (`cancel_board.CancelBoard`; default: this
+            process only).
 
     Attributes:
         core: the engine loop; router: the response thread; stop_watch: the stop watch, or None.
@@ -92,11 +95,12 @@ class LLMService:
     def __init__(self, engine: LLMEngine, governor: Governor | None = None, metrics: LLMMetrics | None = None,
                  metrics_interval_s: float = 1.0, max_queued_requests: int = 0,
                  stopping: Callable[[], bool] | None = None, stop_grace_s: float | None = None,
-                 operator_key: str | None = None):
+                 operator_key: str | None = None, cancel_board: CancelBoard | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.core = EngineCore(engine, governor)
-        self.router = OutputRouter(self.core.outbox, self.abort, note_finished=metrics is not None)
+        self.router = OutputRouter(self.core.outbox, self.abort, note_finished=metrics is not None,
+                                   board=cancel_board)
         self.stop_watch = StopWatch(stopping, stop_grace_s, self.router.held, self.abort) \
             if stopping is not None and stop_grace_s is not None else None
         self.metrics = metrics
@@ -246,6 +250,7 @@ class LLMService:
             if part is not None:
                 part.stop()
         self.router.fail_all(StageError(ErrorKind.UNAVAILABLE, "server is shutting down"))
+        self.router.board.close()
 
 
 class _MetricsLoop(BackgroundLoop):

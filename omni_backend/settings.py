@@ -113,6 +113,12 @@ def operator_name(f: dataclasses.Field, spec: Spec, prefix: str = "") -> str:
     return spec.name or prefix + f.name
 
 
+def config_parameters(config: dict) -> dict[str, str]:
+    """A Triton model config's `parameters` (the config as JSON: what a Python model gets in
+    `args["model_config"]`, or what `get_model_config` answers) as name -> string value."""
+    return {name: value.get("string_value", "") for name, value in config.get("parameters", {}).items()}
+
+
 def parse_text(text: str, spec: Spec, name: str) -> Any:
     """A setting's value from its text (a Triton string parameter, an environment variable): booleans are true,
     false, 1 or 0 in any case; numbers are decimal; "" is None for an optional setting.

@@ -1,7 +1,7 @@
 """Every Triton tensor name that crosses a process: the inputs and outputs of the models in `model_repository/`.
 
 The model configs (`config.pbtxt`) declare them for Triton; everything in Python names them through these constants,
-so a renamed tensor is one edit here plus the configs (tests/test_vocabulary.py checks both agree and that no other
+so a renamed tensor is one edit here plus the configs (tests/test_structure.py checks both agree and that no other
 module spells one out). The sampling settings' tensors (`max_tokens`, `random_seed`, ...) are
 `vocabulary.SAMPLING_FIELDS`'. Names shared with TensorRT-LLM's backend (`text_input`, `text_output`,
 `stop_words`, ...) are kept as they are there: genai-perf and Triton's own OpenAI frontend send them.

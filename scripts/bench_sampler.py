@@ -238,12 +238,12 @@ def real_logits(batch: int) -> tuple[list[torch.Tensor], list[list[int]]] | None
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                            add_generation_prompt=True, tokenize=False) for i in range(batch)]
-    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(**inputs, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=STEPS,
+        out = model.generate(**encoded, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=STEPS,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
-    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
     return [step.float() for step in out.logits], prompts
 
 

@@ -145,11 +145,30 @@ def _templates() -> dict[str, str]:
     return {p.parent.name: p.read_text() for p in (ROOT / "model_repository").glob("*/config.pbtxt")}
 
 
-def test_no_template_declares_an_operator_setting_by_hand():
-    """A model config gets an operator setting's value from its placeholder (or the llm's generated block), never
-    as a literal that would drift from the declaration."""
+def setting_groups() -> list[type]:
+    """Every settings dataclass of the package (`settings.SettingGroup` and its subclasses), every module imported."""
+    import importlib
+    import pkgutil
+
+    import omni_backend
+
+    for module in pkgutil.walk_packages(omni_backend.__path__, "omni_backend."):
+        importlib.import_module(module.name)
+    found, todo = [], [settings.SettingGroup]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def test_no_template_declares_a_setting_by_hand():
+    """A model config gets an operator setting's value from its placeholder (or the llm's generated block), and
+    any other declared setting from its declaration (an absent key keeps the default), never as a literal that
+    would drift from the declaration."""
     names = set(repository.Settings.load(environ={}).as_strings())
-    fields = {f.name for cls, _ in repository.SETTING_GROUPS for f, _ in settings.declared(cls)}
+    fields = {f.name for cls in setting_groups() for f, _ in settings.declared(cls)}
+    assert {"max_steps", "max_image_bytes", "threads", "max_queued_requests"} <= fields, "the groups were not found"
     literal = re.compile(r'parameters\s*\{\s*key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
     found = [(model, key, value) for model, text in _templates().items() for key, value in literal.findall(text)
              if (key in names or key in fields) and not re.fullmatch(r"\$\{\w+\}", value)]
@@ -161,12 +180,13 @@ PARAMETER_DICTS = {"parameters", "setting", "settings", "params", "p"}  # names 
 
 
 def test_no_module_redeclares_a_setting():
-    """A class-level field named like an operator setting lives only in the class that declares it; a Python
+    """A class-level field named like a declared setting lives only in the class that declares it; a Python
     literal default for one (`parameters.get("threads", "0")`) would be a second declaration too."""
-    declaring = {cls.__module__ for cls, _ in repository.SETTING_GROUPS}
+    groups = setting_groups()
+    declaring = {cls.__module__ for cls in groups}
     names = {settings.operator_name(f, spec, prefix) for cls, prefix in repository.SETTING_GROUPS
              for f, spec in settings.declared(cls) if spec.operator}
-    names |= {f.name for cls, _ in repository.SETTING_GROUPS for f, _ in settings.declared(cls)}
+    names |= {f.name for cls in groups for f, _ in settings.declared(cls)}
     found = []
     for module, path in source_files().items():
         tree = ast.parse(path.read_text())
@@ -209,7 +229,13 @@ OWNERS = ("omni_backend.tensor_names", "omni_backend.vocabulary", "omni_backend.
 # Calls, and variables holding tensors by name, whose string arguments or keys are tensor names.
 TENSOR_CALLS = {"Tensor", "get_input_tensor_by_name", "get_output_tensor_by_name", "InferInput",
                 "InferRequestedOutput", "as_numpy", "one_value", "text_list", "FieldError", "_one_string"}
-TENSOR_DICTS = {"arrays", "outputs", "tensors", "out"}
+TENSOR_DICTS = {"arrays", "outputs", "tensors", "out", "prepared", "response", "phrase", "inputs"}
+
+
+def holds_tensors(node) -> bool:
+    """A variable that holds tensors by name: one of TENSOR_DICTS, or a name ending in one (`llm_inputs`)."""
+    name = getattr(node, "id", None)
+    return name is not None and (name in TENSOR_DICTS or name.endswith(tuple("_" + n for n in TENSOR_DICTS)))
 ARRAY_MAKERS = {"array", "asarray", "zeros", "ones", "string_tensor", "ascontiguousarray", "full"}
 
 
@@ -228,17 +254,16 @@ def tensor_name_literals(tree: ast.AST, names: set[str]) -> list[tuple[int, str]
             if func in TENSOR_CALLS:
                 for arg in [*node.args, *(k.value for k in node.keywords)]:
                     note(arg)
-            if func == "get" and isinstance(node.func, ast.Attribute) and \
-                    getattr(node.func.value, "id", None) in TENSOR_DICTS and node.args:
+            if func == "get" and isinstance(node.func, ast.Attribute) and holds_tensors(node.func.value) and node.args:
                 note(node.args[0])
             for keyword in node.keywords:
                 if keyword.arg == "requested_output_names" and isinstance(keyword.value, (ast.List, ast.Tuple)):
                     for element in keyword.value.elts:
                         note(element)
-        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) in TENSOR_DICTS:
+        elif isinstance(node, ast.Subscript) and holds_tensors(node.value):
             note(node.slice)
         elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
-                any(getattr(c, "id", None) in TENSOR_DICTS for c in node.comparators):
+                any(holds_tensors(c) for c in node.comparators):
             note(node.left)
         elif isinstance(node, ast.Assign) and any(getattr(t, "id", "").endswith("NAMES") for t in node.targets) \
                 and isinstance(node.value, (ast.Tuple, ast.List)):
@@ -275,9 +300,10 @@ def test_no_module_spells_out_a_tensor_name_or_the_operator_header():
 
 def test_the_literal_finder_finds_literals():
     code = ('x = one_value(arrays, "text_output", str)\ny = {"input_ids": np.array([1])}\n'
-            'INPUT_NAMES = ("prompt_embeds",)\nz = arrays["stream_key"]\nok = {"image": "kind"}\n')
+            'INPUT_NAMES = ("prompt_embeds",)\nz = arrays["stream_key"]\nok = {"image": "kind"}\n'
+            'llm_inputs["cancel"] = key\nw = response.get("finish_reason")\n')
     assert sorted(name for _, name in tensor_name_literals(ast.parse(code), config_tensor_names())) == [
-        "input_ids", "prompt_embeds", "stream_key", "text_output"]
+        "cancel", "finish_reason", "input_ids", "prompt_embeds", "stream_key", "text_output"]
 
 
 # ---------------------------------------------------------------------------------------------------------

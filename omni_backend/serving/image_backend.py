@@ -10,6 +10,7 @@ from tritonclient.utils import InferenceServerException
 
 from omni_backend import tensor_names as T
 from omni_backend.serving import errors
+from omni_backend.settings import config_parameters
 from omni_backend.serving.triton_client import TritonGrpcUser, infer_to_completion, numeric_array
 from omni_backend.stages.diffusion import ImageLimits
 
@@ -32,8 +33,8 @@ class ImageBackend(TritonGrpcUser):
                 config = (await self.client.get_model_config(STAGE, as_json=True))["config"]
             except InferenceServerException as exc:
                 raise errors.unavailable(f"image generation is not available: {exc.message()}") from None
-            parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-            self._limits = ImageLimits.from_parameters(parameters)
+            parameters = config_parameters(config)
+            self._limits = ImageLimits.from_strings(parameters)
         return self._limits
 
     async def generate(self, values: dict) -> tuple[bytes, int]:

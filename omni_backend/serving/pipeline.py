@@ -31,9 +31,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from omni_backend import tensor_names as T
+from omni_backend.engine.config import EngineConfig
 from omni_backend.operator_key import ADMIN_KEY_HEADER
 from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
 from omni_backend.serving.triton_client import TritonGrpcUser, infer_to_completion, numeric_array
+from omni_backend.settings import config_parameters, parse_field
 from omni_backend.stages.entry_points import Steps
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
 from omni_backend.stages.postprocess import carries_logprobs
@@ -172,7 +174,7 @@ class TritonPipeline(TritonGrpcUser):
     async def _discover(self) -> PipelineInfo:
         config = await self._config(self.model)
         try:
-            steps = Steps.from_parameters(_parameters(config))
+            steps = Steps.from_parameters(config_parameters(config))
         except ValueError as exc:
             raise internal(f"model '{self.model}' is not a chat entry point: {exc}") from None
         if steps.media or steps.tts:
@@ -187,8 +189,9 @@ class TritonPipeline(TritonGrpcUser):
             config = await self._config(steps.postprocess)
             from_llm = _names(config, "input")
             postprocess = StepWiring(steps.postprocess, _same(from_llm), _same(_names(config, "output")))
-        parameters = _parameters(llm) or _parameters(preprocess)
-        max_model_len = int(parameters["max_model_len"]) if parameters.get("max_model_len") else None
+        parameters = config_parameters(llm) or config_parameters(preprocess)
+        max_model_len = parse_field(EngineConfig, "max_model_len", parameters.get("max_model_len")) \
+            if parameters.get("max_model_len") else None
         input_types = {i["name"]: _datatype(i["data_type"]) for i in preprocess.get("input", [])}
         return PipelineInfo(self.model, StepWiring(steps.preprocess, _same(_names(preprocess, "input")), _same(to_llm)),
                             StepWiring(steps.llm, _same(to_llm), _same(from_llm)), postprocess, input_types,
@@ -454,11 +457,6 @@ def _stream_failure(exc: grpc.aio.AioRpcError, model: str) -> OpenAIError:
     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return unavailable(f"Triton is unavailable: {exc.details()}")
     return internal(f"the {model} stream failed: {exc.code().name}: {exc.details()}")
-
-
-def _parameters(config: dict) -> dict[str, str]:
-    """A model config's string parameters."""
-    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
 
 
 def _names(config: dict, kind: str) -> list[str]:

@@ -58,55 +58,46 @@ class DiffusionSettings(SettingGroup):
     PREFIX = "diffusion_"  # the settings' names: diffusion_<field>
 
 
+SIZES_PATTERN = r"\s*\d+x\d+\s*(,\s*\d+x\d+\s*)*"
+
+
 @dataclass(frozen=True)
-class ImageLimits:
-    """What requests may ask for (from the model config's parameters)."""
+class ImageLimits(SettingGroup):
+    """What requests may ask for: diffusion settings (constants of its model config, parsed by `from_strings`;
+    the front door reads the same config for its 400s)."""
 
-    sizes: tuple[tuple[int, int], ...] = ((64, 64), (128, 128), (256, 256))
-    default_size: tuple[int, int] = (128, 128)
-    max_steps: int = 50
-    default_steps: int = 10
-    min_guidance: float = 0.0
-    max_guidance: float = 20.0
-    default_guidance: float = 7.5
-    max_prompt_chars: int = 1000
+    sizes: str = setting("64x64,128x128,256x256", "the sizes a request may ask for, WIDTHxHEIGHT, comma-separated",
+                         pattern=SIZES_PATTERN, forms="WIDTHxHEIGHT[,WIDTHxHEIGHT...]")
+    default_size: str = setting("128x128", "the size of a request that names none (one of sizes)",
+                                pattern=SIZES_PATTERN, forms="WIDTHxHEIGHT")
+    max_steps: int = setting(50, "most denoising steps a request may ask for", low=1)
+    default_steps: int = setting(10, "denoising steps of a request that names none", low=1)
+    min_guidance: float = setting(0.0, "lowest guidance scale a request may ask for", low=0.0)
+    max_guidance: float = setting(20.0, "highest guidance scale a request may ask for", low=0.0)
+    default_guidance: float = setting(7.5, "guidance scale of a request that names none", low=0.0)
+    max_prompt_chars: int = setting(1000, "longest prompt, characters", low=1)
 
-    @classmethod
-    def from_parameters(cls, parameters: dict[str, str]) -> "ImageLimits":
-        """From string parameters: `sizes` ("64x64,128x128"), `default_size` ("128x128"), `max_steps`,
-        `default_steps`, `min_guidance`, `max_guidance`, `default_guidance`, `max_prompt_chars`; missing keys
-        keep the defaults.
-
-        Raises:
-            ValueError: a malformed value, or a default outside its own limits.
-        """
-        base = cls()
-        values = {}
-        try:
-            if parameters.get("sizes"):
-                values["sizes"] = tuple(parse_size(s) for s in parameters["sizes"].split(","))
-            if parameters.get("default_size"):
-                values["default_size"] = parse_size(parameters["default_size"])
-            for name in ("max_steps", "default_steps", "max_prompt_chars"):
-                if parameters.get(name):
-                    values[name] = int(parameters[name])
-            for name in ("min_guidance", "max_guidance", "default_guidance"):
-                if parameters.get(name):
-                    values[name] = float(parameters[name])
-        except ValueError as exc:
-            raise ValueError(f"diffusion parameters: {exc}") from None
-        limits = cls(**{**base.__dict__, **values})
-        if limits.default_size not in limits.sizes:
-            raise ValueError(f"diffusion parameters: default_size {format_size(limits.default_size)} is not in sizes")
-        if not 1 <= limits.default_steps <= limits.max_steps:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.default_pair not in self.size_pairs:
+            raise ValueError(f"diffusion parameters: default_size {self.default_size} is not in sizes")
+        if not 1 <= self.default_steps <= self.max_steps:
             raise ValueError("diffusion parameters: default_steps must be within 1..max_steps")
-        if not limits.min_guidance <= limits.default_guidance <= limits.max_guidance:
+        if not self.min_guidance <= self.default_guidance <= self.max_guidance:
             raise ValueError("diffusion parameters: default_guidance must be within min_guidance..max_guidance")
-        return limits
+
+    @property
+    def size_pairs(self) -> tuple[tuple[int, int], ...]:
+        """`sizes` as (width, height) pairs."""
+        return tuple(parse_size(size) for size in self.sizes.split(","))
+
+    @property
+    def default_pair(self) -> tuple[int, int]:
+        return parse_size(self.default_size)
 
     @property
     def size_names(self) -> list[str]:
-        return [format_size(s) for s in self.sizes]
+        return [format_size(size) for size in self.size_pairs]
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -155,9 +146,9 @@ class ImageRequest:
         if len(prompt) > limits.max_prompt_chars:
             raise FieldError(T.PROMPT, f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
         negative = one_value(arrays, T.NEGATIVE_PROMPT, str)
-        width = one_value(arrays, T.WIDTH, int, limits.default_size[0])
-        height = one_value(arrays, T.HEIGHT, int, limits.default_size[1])
-        if (width, height) not in limits.sizes:
+        width = one_value(arrays, T.WIDTH, int, limits.default_pair[0])
+        height = one_value(arrays, T.HEIGHT, int, limits.default_pair[1])
+        if (width, height) not in limits.size_pairs:
             raise FieldError("size", f"{width}x{height} is not supported; supported sizes: "
                              f"{', '.join(limits.size_names)}")
         steps = one_value(arrays, T.STEPS, int, limits.default_steps)
@@ -200,7 +191,7 @@ class DiffusionStage:
             ValueError: a malformed setting; RuntimeError: a CUDA device torch cannot use.
         """
         own = DiffusionSettings.from_strings(parameters)
-        return cls.from_pretrained(own.model_path, ImageLimits.from_parameters(parameters), own.device, own.dtype,
+        return cls.from_pretrained(own.model_path, ImageLimits.from_strings(parameters), own.device, own.dtype,
                                    own.gpu_memory_fraction)
 
     @classmethod

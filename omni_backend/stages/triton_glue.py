@@ -21,13 +21,13 @@ from typing import Callable
 import numpy as np
 
 from omni_backend.ops.metrics import StageHeartbeat
+from omni_backend.settings import config_parameters
 from omni_backend.vocabulary import StageError
 
 
 def string_parameters(args: dict) -> dict[str, str]:
     """A model's `parameters` (its `config.pbtxt`, as Triton hands it in `args["model_config"]`) as name -> string."""
-    parameters = json.loads(args["model_config"]).get("parameters", {})
-    return {name: value["string_value"] for name, value in parameters.items()}
+    return config_parameters(json.loads(args["model_config"]))
 
 
 def start_heartbeat(pb_utils, args: dict) -> StageHeartbeat:

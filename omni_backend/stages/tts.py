@@ -147,16 +147,18 @@ class SpeechStage:
 
     Args:
         synthesizer: a `SpeechSynthesizer`.
-        max_text_chars: longest self-contained text (a stream's total is bounded by the LLM's max_tokens).
-        stream_ttl_s: a stream not heard from for this long is forgotten (its client went away).
+        settings: its limits (`SpeechSettings`: max_text_chars bounds a self-contained text, a stream's total is
+            bounded by the LLM's max_tokens; a stream not heard from for stream_ttl_s is forgotten); None: the
+            declared defaults.
         chunker: makes a `SentenceChunker` per stream or request.
     """
 
-    def __init__(self, synthesizer: SpeechSynthesizer, max_text_chars: int = 4096, stream_ttl_s: float = 600.0,
+    def __init__(self, synthesizer: SpeechSynthesizer, settings: SpeechSettings | None = None,
                  chunker=SentenceChunker):
+        settings = settings or SpeechSettings()
         self.synthesizer = synthesizer
-        self.max_text_chars = max_text_chars
-        self.stream_ttl_s = stream_ttl_s
+        self.max_text_chars = settings.max_text_chars
+        self.stream_ttl_s = settings.stream_ttl_s
         self.make_chunker = chunker
         self._streams: dict[str, _StreamState] = {}
         self._lock = threading.Lock()
@@ -169,7 +171,7 @@ class SpeechStage:
             ValueError: a malformed setting.
         """
         own = SpeechSettings.from_strings(parameters)
-        return cls(ENGINES[own.engine](threads=own.threads), own.max_text_chars, own.stream_ttl_s)
+        return cls(ENGINES[own.engine](threads=own.threads), own)
 
     @property
     def open_streams(self) -> int:

@@ -45,7 +45,7 @@ def test_every_class_the_registry_names_loads_and_fits_its_column(name):
     if architecture.processor is not None:
         processor = registry.load(architecture.processor)
         kinds = processor.kinds if isinstance(processor.kinds, frozenset) else {processor.kind}
-        assert issubclass(processor, ProcessorPrompt) and kinds == architecture.media_kinds
+        assert issubclass(processor, ProcessorPrompt) and kinds == set(architecture.placeholders)
 
 
 def test_a_multimodal_language_model_is_the_text_architecture_of_its_model_type():

@@ -16,12 +16,14 @@ def arrays(**values):
 
 
 def test_limits_from_config_parameters():
-    limits = ImageLimits.from_parameters({"sizes": "64x64, 128x96", "default_size": "128x96", "max_steps": "8",
-                                          "default_steps": "4", "max_guidance": "10"})
-    assert limits.sizes == ((64, 64), (128, 96)) and limits.default_size == (128, 96)
+    limits = ImageLimits.from_strings({"sizes": "64x64, 128x96", "default_size": "128x96", "max_steps": "8",
+                                       "default_steps": "4", "max_guidance": "10"})
+    assert limits.size_pairs == ((64, 64), (128, 96)) and limits.default_pair == (128, 96)
     assert (limits.max_steps, limits.default_steps, limits.max_guidance) == (8, 4, 10.0)
     with pytest.raises(ValueError, match="default_size 256x256 is not in sizes"):
-        ImageLimits.from_parameters({"sizes": "64x64", "default_size": "256x256"})
+        ImageLimits.from_strings({"sizes": "64x64", "default_size": "256x256"})
+    with pytest.raises(ValueError, match="setting sizes must be WIDTHxHEIGHT"):
+        ImageLimits.from_strings({"sizes": "big"})
     with pytest.raises(ValueError, match="size must look like WIDTHxHEIGHT"):
         parse_size("big")
 

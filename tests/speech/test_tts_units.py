@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from omni_backend.stages import tts_audio
-from omni_backend.stages.tts import SpeechStage
+from omni_backend.stages.tts import SpeechSettings, SpeechStage
 from omni_backend.stages.tts_options import SpeechOptions, check_speed, resolve_voice
 from omni_backend.stages.tts_text import SentenceChunker
 
@@ -113,7 +113,7 @@ def test_end_of_stream_with_nothing_left_still_answers_once():
 
 def test_self_contained_text_is_cut_at_sentences_and_checked():
     synthesizer = FakeSynthesizer()
-    stage = SpeechStage(synthesizer, max_text_chars=80)
+    stage = SpeechStage(synthesizer, SpeechSettings(max_text_chars=80))
     outputs = list(stage.run(arrays("The quick brown fox jumps over the lazy dog. Then it sleeps.")))
     assert synthesizer.spoken == ["The quick brown fox jumps over the lazy dog. ", "Then it sleeps."]
     assert outputs[-1]["finish_reason"][0] == b"stop"
@@ -124,7 +124,7 @@ def test_self_contained_text_is_cut_at_sentences_and_checked():
 
 
 def test_stale_streams_are_forgotten():
-    stage = SpeechStage(FakeSynthesizer(), stream_ttl_s=0.0)
+    stage = SpeechStage(FakeSynthesizer(), SpeechSettings(stream_ttl_s=1e-9))
     list(stage.run(arrays("An unfinished", "gone")))
     list(stage.run(arrays("Another one", "other")))
     assert stage.open_streams == 1

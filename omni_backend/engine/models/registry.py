@@ -67,11 +67,6 @@ class Architecture:
         """Whether the checkpoint brings encoders (its language model then lives under a text config)."""
         return bool(self.encoders)
 
-    @property
-    def media_kinds(self) -> frozenset[str]:
-        """The media its prompts take: one per placeholder ("image", "audio", "video")."""
-        return frozenset(self.placeholders)
-
 
 _ENGINE = "omni_backend.engine.models"
 _STAGES = "omni_backend.stages.models"

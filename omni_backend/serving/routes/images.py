@@ -55,14 +55,14 @@ async def create_images(request: Request):
     limits = await backend.limits()
     size = body.get("size")
     if size is None or size == "auto":
-        width, height = limits.default_size
+        width, height = limits.default_pair
     else:
         allowed = ", ".join(limits.size_names)
         try:
             width, height = parse_size(size if isinstance(size, str) else "")
         except ValueError:
             raise invalid(f"size {size!r} is not valid; supported sizes: {allowed}", "size") from None
-        if (width, height) not in limits.sizes:
+        if (width, height) not in limits.size_pairs:
             raise invalid(f"size {format_size((width, height))} is not supported; supported sizes: {allowed}",
                           "size")
     n = _number(body, "n", int, 1)

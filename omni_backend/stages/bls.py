@@ -4,51 +4,26 @@ the entry point's response sender, and the glue its three model.py files share.
 `pb_utils` is the stub's `triton_python_backend_utils` module, passed in because it exists only inside a Triton
 stub process.
 
-Two objects outlive their use here by RETIRE_AFTER_S (`Retired`), because python_backend 24.10 (like its main
-branch) still touches them from another thread for a moment:
+Two objects outlive their use here by `triton_glue.RETIRE_AFTER_S` (`triton_glue.Retired`), because python_backend
+24.10 (like its main branch) still touches them from another thread for a moment:
 - a finished response iterator of `exec(decoupled=True)`: the stub's iterator map holds it until a C++ thread
   without the GIL erases it, a little after the last response; if that erase drops the last reference, the
   iterator's responses release their numpy arrays without the GIL and concurrent Python threads corrupt the
   interpreter's heap (seen here: the entry point's stub dying in pymalloc under a storm of cancelled streams);
-- a response sender after its final flag: the server's thread that answered its last `is_cancelled()` still
-  unlocks a mutex in shared memory that the sender frees with itself.
-Released later by `Retired`'s own thread, they are freed with the GIL and after those threads are done.
+- a response sender after its final flag (see `triton_glue.Retired`).
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import threading
-import time
 from typing import Generator
 
 import numpy as np
 
 from omni_backend.stages.entry_points import EntryPoint, StageFailure, Steps
-from omni_backend.stages.triton_glue import request_arrays, response, start_heartbeat, string_parameters, triton_error
+from omni_backend.stages.triton_glue import (Retired, StreamSender, request_arrays, start_heartbeat,
+                                             string_parameters)
 from omni_backend.vocabulary import StageError
-
-
-RETIRE_AFTER_S = 5.0  # those other threads let go within milliseconds
-
-
-class Retired:
-    """Objects done with, each released RETIRE_AFTER_S after `add`, from this object's thread."""
-
-    def __init__(self):
-        self._items: collections.deque = collections.deque()  # (time.monotonic() at add, object)
-        threading.Thread(target=self._loop, name="bls-retired", daemon=True).start()
-
-    def add(self, item) -> None:
-        self._items.append((time.monotonic(), item))
-
-    def _loop(self) -> None:
-        while True:
-            time.sleep(1.0)
-            cutoff = time.monotonic() - RETIRE_AFTER_S
-            while self._items and self._items[0][0] < cutoff:
-                self._items.popleft()
 
 
 class BlsStages:
@@ -85,38 +60,15 @@ class BlsStages:
             self.retired.add(responses)
 
 
-class SenderClient:
-    """The entry point's `Client`: its Triton response sender, retired once its final flag went."""
-
-    def __init__(self, pb_utils, sender, model: str, retired: Retired):
-        self.pb_utils, self.sender, self.model, self.retired = pb_utils, sender, model, retired
-
-    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
-        if final:
-            self._final(response(self.pb_utils, outputs))
-        else:
-            self.sender.send(response(self.pb_utils, outputs), flags=0)
+class SenderClient(StreamSender):
+    """The entry point's `Client`: its response sender (`StreamSender`, retired after its final flag), passing a
+    stage's failure on with that stage's own message and code."""
 
     def fail(self, error: StageFailure | StageError) -> None:
-        pb = self.pb_utils
-        triton = (pb.TritonError(error.message, error.code) if isinstance(error, StageFailure)
-                  else triton_error(pb, error, self.model))
-        self._final(pb.InferenceResponse(error=triton))
-
-    def close(self) -> None:
-        self._final(None)
-
-    def _final(self, response) -> None:
-        try:
-            if response is None:
-                self.sender.send(flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            else:
-                self.sender.send(response, flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        finally:
-            self.retired.add(self.sender)
-
-    def is_cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        if isinstance(error, StageFailure):
+            self._final(self.pb_utils.InferenceResponse(error=self.pb_utils.TritonError(error.message, error.code)))
+        else:
+            super().fail(error)
 
 
 class EntryPointModel:

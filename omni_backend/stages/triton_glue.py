@@ -15,7 +15,10 @@ Errors leave a stage as `pb_utils.TritonError`s whose message carries the error 
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -128,6 +131,32 @@ class StageModel:
         self.heartbeat.stop()
 
 
+RETIRE_AFTER_S = 5.0  # those other threads let go within milliseconds
+
+
+class Retired:
+    """Objects done with, each released RETIRE_AFTER_S after `add`, from this object's thread.
+
+    A response sender is one: after its final flag, the server's thread that answered its last `is_cancelled()`
+    still unlocks a mutex in shared memory that the sender frees with itself (python_backend 24.10, as its main
+    branch), so a sender freed at once can let that thread write into freed memory. Kept a few seconds and freed
+    from here, with the GIL, it is released after that thread is done."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()  # (time.monotonic() at add, object)
+        threading.Thread(target=self._loop, name="bls-retired", daemon=True).start()
+
+    def add(self, item) -> None:
+        self._items.append((time.monotonic(), item))
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(1.0)
+            cutoff = time.monotonic() - RETIRE_AFTER_S
+            while self._items and self._items[0][0] < cutoff:
+                self._items.popleft()
+
+
 class StreamSender:
     """One decoupled request's response sender.
 
@@ -135,24 +164,37 @@ class StreamSender:
         pb_utils: the stub's module.
         sender: `request.get_response_sender()`.
         stage: the stage's name, for INTERNAL errors' messages.
+        retired: where the sender goes after its final flag (`Retired`), for a model that asks `is_cancelled()`;
+            None: released with this object.
     """
 
-    def __init__(self, pb_utils, sender, stage: str):
-        self.pb_utils, self.sender, self.stage = pb_utils, sender, stage
+    def __init__(self, pb_utils, sender, stage: str, retired: Retired | None = None):
+        self.pb_utils, self.sender, self.stage, self.retired = pb_utils, sender, stage, retired
+
+    def _final(self, response=None) -> None:
+        try:
+            if response is None:
+                self.sender.send(flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                self.sender.send(response, flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            if self.retired is not None:
+                self.retired.add(self.sender)
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None:
         """One response; `final` also ends the stream."""
-        flags = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self.sender.send(response(self.pb_utils, outputs), flags=flags)
+        if final:
+            self._final(response(self.pb_utils, outputs))
+        else:
+            self.sender.send(response(self.pb_utils, outputs), flags=0)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with the error `exc` stands for (`triton_error`)."""
-        self.sender.send(self.pb_utils.InferenceResponse(error=triton_error(self.pb_utils, exc, self.stage)),
-                         flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._final(self.pb_utils.InferenceResponse(error=triton_error(self.pb_utils, exc, self.stage)))
 
     def close(self) -> None:
         """End the stream with the final flag alone (after a cancellation, or when there is nothing to say)."""
-        self.sender.send(flags=self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._final()
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()

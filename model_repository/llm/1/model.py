@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend.stages.llm.build import create_service
 from omni_backend.stages.llm.triton_io import INPUT_NAMES, serve_request
-from omni_backend.stages.triton_glue import StreamSender, request_arrays, string_parameters
+from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, string_parameters
 
 
 class TritonPythonModel:
@@ -17,10 +17,11 @@ class TritonPythonModel:
                                       instance_kind=args.get("model_instance_kind"),
                                       instance_device_id=args.get("model_instance_device_id"))
         self.service.start()
+        self.retired = Retired()  # response senders, freed a few seconds after their final flag
 
     def execute(self, requests):
         for request in requests:
-            sender = StreamSender(pb_utils, request.get_response_sender(), "llm")
+            sender = StreamSender(pb_utils, request.get_response_sender(), "llm", self.retired)
             try:
                 arrays = request_arrays(pb_utils, request, INPUT_NAMES)
                 parameters = json.loads(request.parameters() or "{}")

@@ -6,7 +6,7 @@ SpeechWorker thread synthesizes the chunks, lowest chunk index first across requ
 
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.stages.triton_glue import StreamSender, request_arrays, start_heartbeat, string_parameters
+from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, start_heartbeat, string_parameters
 from omni_backend.stages.tts import INPUT_NAMES, SpeechStage, SpeechWorker, serve_request
 
 
@@ -14,11 +14,12 @@ class TritonPythonModel:
     def initialize(self, args):
         self.stage = SpeechStage.from_parameters(string_parameters(args))
         self.worker = SpeechWorker(self.stage)
+        self.retired = Retired()  # response senders, freed a few seconds after their final flag
         self.heartbeat = start_heartbeat(pb_utils, args)
 
     def execute(self, requests):
         for request in requests:
-            sender = StreamSender(pb_utils, request.get_response_sender(), "tts")
+            sender = StreamSender(pb_utils, request.get_response_sender(), "tts", self.retired)
             try:
                 arrays = request_arrays(pb_utils, request, INPUT_NAMES)
             except Exception as exc:  # unreadable inputs: this request only

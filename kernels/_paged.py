@@ -20,10 +20,14 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     """Validate a K/V cache pair; return ``(num_blocks, block_size, num_kv_heads, head_dim)``.
 
     Raises:
-        ValueError: not 4-D, shapes/dtypes/devices differ, or dtype not fp32/fp16/bf16.
+        ValueError: not 4-D, block_size, num_kv_heads or head_dim below 1 (kernels divide by the first two), shapes/
+            dtypes/devices differ, or dtype not fp32/fp16/bf16.
     """
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+    if min(k_cache.shape[1:]) < 1:
+        raise ValueError(f"k_cache's block_size, num_kv_heads and head_dim must be at least 1, got "
+                         f"{tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:

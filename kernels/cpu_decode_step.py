@@ -83,8 +83,9 @@ class CpuDecodeStep(CpuLibrary):
         layer).
 
         Raises:
-            ValueError: caches that are not one contiguous float32 CPU pair per layer of one shape, or weights,
-                norms and RoPE tables whose shapes do not fit the model's sizes.
+            ValueError: caches that are not one contiguous float32 CPU pair per layer of one shape (block_size,
+                num_kv_heads and head_dim at least 1), or weights, norms and RoPE tables whose shapes do not fit the
+                model's sizes.
         """
         return DecodeStepModel(self, forward, kv_caches)
 
@@ -101,8 +102,9 @@ class DecodeStepModel:
         if not kv_caches or len(kv_caches) != len(forward.layers):
             raise ValueError(f"{len(kv_caches)} cache pairs for {len(forward.layers)} layers")
         shape = tuple(kv_caches[0][0].shape)
-        if len(shape) != 4:
-            raise ValueError(f"KV caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {shape}")
+        if len(shape) != 4 or min(shape[1:]) < 1:  # the step divides by block_size (paged decode's block count)
+            raise ValueError(f"KV caches must be [num_blocks, block_size, num_kv_heads, head_dim] with block_size, "
+                             f"num_kv_heads and head_dim at least 1, got {shape}")
         for pair in kv_caches:
             for name, cache in zip(("k_cache", "v_cache"), pair):
                 check_cpu_tensor(name, cache, torch.float32, shape)

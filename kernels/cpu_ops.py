@@ -68,9 +68,14 @@ class CpuOps(CpuLibrary):
         ``slot_mapping [T]`` (-1: padding, not stored), as ``kernels.store_kv.store_kv_reference``.
 
         Raises:
-            ValueError: a tensor outside the contract, or a row whose position is outside [0, P) or whose slot is
-                beyond the cache (the first such row is named; it is left as it was, every other row is done).
+            ValueError: a head count below 1, a tensor outside the contract, or a row whose position is outside
+                [0, P) or whose slot is beyond the cache (the first such row is named; it is left as it was, every
+                other row is done).
         """
+        if num_q_heads < 1 or num_kv_heads < 1:
+            # a negative count can still match qkv's width (-2 + 2 x 2 heads) and the kernel would then read
+            # before qkv's first byte
+            raise ValueError(f"num_q_heads and num_kv_heads must be at least 1, got {num_q_heads}, {num_kv_heads}")
         check_float32_rows("qkv", qkv)
         t = qkv.shape[0]
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape

@@ -144,6 +144,8 @@ def test_the_one_call_decode_step_refuses_rows_out_of_range(tiny_qwen2_path):
     assert empty.shape == (0, hidden)
     with pytest.raises(ValueError, match="0 cache pairs"):
         forward.decode_step.describe(forward, [])
+    with pytest.raises(ValueError, match=r"block_size, num_kv_heads and head_dim at least 1, got \(\d+, 0, 2, "):
+        forward.decode_step.describe(forward, [(c[:, :0], v[:, :0]) for c, v in runner.kv_caches])  # 0 would divide
     with pytest.raises(ValueError, match=r"cos must be .* of shape"):  # caches of another head_dim than the tables
         forward.decode_step.describe(forward, [(c[..., :-2].contiguous(), c[..., :-2].contiguous())
                                                for c, _ in runner.kv_caches])

@@ -82,6 +82,7 @@ def bad_decode_overrides(kv: PagedKV, query: torch.Tensor, context_lens: torch.T
         dict(query=query[:, :3]),  # 3 q heads, 2 kv heads
         dict(query=query[..., :8]),
         dict(query=query.half()),
+        dict(k_cache=kv.k_cache[:, :0], v_cache=kv.v_cache[:, :0]),  # block_size 0: kernels divide by it
         dict(num_splits=0),
         dict(out=torch.empty(2, 4, 8, device=device)),
         dict(workspace=alloc_decode_workspace(2, 4, 16, 2, device)),  # num_splits missing

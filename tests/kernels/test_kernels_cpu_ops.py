@@ -1,8 +1,10 @@
 """The C++ float32 elementwise ops of the CPU engine against the torch code they replace: RoPE + the K/V cache
 write bit for bit, RMSNorm and SiLU * up within a few float32 roundings."""
 
+import math
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -78,6 +80,12 @@ def test_rope_store_kv_refuses_positions_and_slots_out_of_range(ops):
         ops.rope_store_kv(qkv, 1, 1, zeros, cos, sin, zeros.to("meta"), cache, cache.clone())
     with pytest.raises(ValueError, match=r"sin must be .* of shape \(16, 8\)"):  # a shorter table would be overrun
         ops.rope_store_kv(qkv, 1, 1, zeros, cos, sin[:8], zeros, cache, cache.clone())
+    # -2 query heads + 2 x 2 KV heads of 8 match a width of 16: without the head check the kernel read before qkv
+    two_kv = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="num_q_heads and num_kv_heads must be at least 1, got -2, 2"):
+        ops.rope_store_kv(torch.randn(3, 16), -2, 2, zeros, cos, sin, zeros, two_kv, two_kv.clone())
+    with pytest.raises(ValueError, match="must be at least 1, got 0, 1"):
+        ops.rope_store_kv(torch.randn(3, 16), 0, 1, zeros, cos, sin, zeros, cache, cache.clone())
     odd = torch.zeros(2, 4, 1, 7)
     with pytest.raises(ValueError, match="head_dim must be even"):
         ops.rope_store_kv(torch.randn(3, 21), 1, 1, zeros, torch.ones(16, 7), torch.zeros(16, 7), zeros, odd,
@@ -96,3 +104,46 @@ def test_silu_mul_matches_torch_over_the_whole_range(ops):
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30)
     with pytest.raises(ValueError, match="even width"):
         ops.silu_mul(torch.randn(2, 5))
+
+
+def test_silu_mul_of_nan_and_infinite_gates_is_torchs(ops):
+    """NaN and infinite gates reach exp_nonpositive with NaN / -inf: the results are torch's (NaN, NaN, +-inf)."""
+    gate = torch.tensor([[float("nan"), float("-inf"), float("inf"), -3.0]])
+    up = torch.tensor([[2.0, 2.0, -2.0, 2.0]])
+    got = ops.silu_mul(torch.cat([gate, up], dim=1))
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.isnan(got[0, :2]).all() and got[0, 2] == float("-inf")
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-6, atol=0.0)
+
+
+EXP_PROBE = r"""
+#include <cmath>
+#include <cstdio>
+#include "cpu_math.h"
+int main() {
+  const float inputs[] = {NAN, -INFINITY, INFINITY, -1000.0f, -87.5f, -87.0f, -10.0f, -1.0f, -0.0f, 0.0f, 3.0f};
+  for (float x : inputs) std::printf("%.9g\n", omni::exp_nonpositive(x));
+  return 0;
+}
+"""
+
+
+def test_exp_nonpositive_is_defined_for_nan_and_infinities(tmp_path):
+    """cpu_math.h's exp built with UBSan (float-to-int casts and shifts checked, any report fatal): NaN gives NaN,
+    -inf and everything below -87 give 0, the contract's range matches exp, and x > 0 gives 1 (documented)."""
+    source = tmp_path / "exp_probe.cpp"
+    source.write_text(EXP_PROBE)
+    binary = tmp_path / "exp_probe"
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    kernels_dir = os.path.dirname(os.path.abspath(CpuOps.SOURCE))
+    subprocess.run([compiler, "-O2", "-std=c++17", "-fsanitize=undefined,float-cast-overflow",
+                    "-fno-sanitize-recover=all", "-I", kernels_dir, str(source), "-o", str(binary)], check=True,
+                   capture_output=True, timeout=120)
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and "runtime error" not in run.stderr, run.stderr
+    got = [float(line) for line in run.stdout.split()]
+    assert math.isnan(got[0])
+    assert got[1:5] == [0.0, 1.0, 0.0, 0.0]  # -inf, +inf (outside the contract: 1), -1000, -87.5
+    for x, value in zip([-87.0, -10.0, -1.0, -0.0, 0.0], got[5:10]):
+        assert value == pytest.approx(math.exp(x), rel=3e-7), x
+    assert got[10] == 1.0

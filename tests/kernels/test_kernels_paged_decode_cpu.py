@@ -153,6 +153,13 @@ def test_cpu_decode_refuses_reads_outside_the_cache(kernel):
                  ATOL[torch.float32], "after refused calls")
 
 
+def test_a_cache_with_block_size_0_is_refused_before_the_kernel_divides_by_it(kernel):
+    kv, query, context_lens = _setup([5, 9], 16, 2, 16, torch.float32)
+    empty = kv.k_cache[:, :0]
+    with pytest.raises(ValueError, match=r"head_dim must be at least 1, got \(\d+, 0, 2, 16\)"):
+        kernel(query, empty, empty.clone(), kv.block_tables, context_lens, 1.0)
+
+
 def test_cpu_decode_rejects_bad_inputs(kernel):
     kv, query, context_lens = _setup([5, 9], 16, 2, 16, torch.float32)
     base = dict(query=query, k_cache=kv.k_cache, v_cache=kv.v_cache, block_tables=kv.block_tables,

@@ -5,6 +5,11 @@ A library's file name is ``<stem>-<hash>.so`` in the build folder, where the has
 of ``kernels/`` (``*.h``), the compiler's version, the flags and the CPU's feature list (x86 ``flags``, Arm
 ``Features``), so a cache folder shared between machines never loads code built for another CPU. The build writes a temporary file and renames it, so
 concurrent first uses (several Triton stubs) are safe. ``$CXX`` overrides the compiler (GCC 11 and later, or clang).
+
+``$OMNI_KERNEL_SANITIZERS`` (``address``, ``undefined`` or both, comma-separated; a developer's switch, not a
+serving setting) builds every library with those sanitizers into a ``sanitize-<kinds>`` folder inside the build
+folder, never beside the production builds; ``scripts/test_sanitizers.sh`` sets it, with the AddressSanitizer
+runtime preloaded, which a library built with ``address`` needs in a Python process.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 import torch
 
 COMPILE_TIMEOUT_S = 300
+SANITIZERS_ENV = "OMNI_KERNEL_SANITIZERS"
+SANITIZERS = ("address", "undefined")
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -36,13 +43,50 @@ def cpu_features() -> str:
         return ""
 
 
+def sanitizer_build(value: str) -> tuple[list[str], str]:
+    """The extra compiler flags and the build subfolder for an `OMNI_KERNEL_SANITIZERS` value ("" for none).
+
+    ``undefined`` adds ``float-cast-overflow`` (a NaN or out-of-range float cast to an integer), which GCC's
+    ``-fsanitize=undefined`` leaves out. Frame pointers and debug lines make the reports' stacks readable.
+
+    Raises:
+        CpuKernelUnavailable: a kind outside SANITIZERS, or ``address`` in a process without the AddressSanitizer
+            runtime loaded first (loading the library would abort the process).
+    """
+    kinds = sorted({kind.strip() for kind in value.split(",") if kind.strip()})
+    if not kinds:
+        return [], ""
+    unknown = [kind for kind in kinds if kind not in SANITIZERS]
+    if unknown:
+        raise CpuKernelUnavailable(f"{SANITIZERS_ENV}={value!r}: unknown sanitizer {unknown[0]!r}; choose from "
+                                   f"{', '.join(SANITIZERS)}")
+    if "address" in kinds and not _asan_runtime_loaded():
+        raise CpuKernelUnavailable(f"{SANITIZERS_ENV}={value!r} needs the AddressSanitizer runtime preloaded "
+                                   "(LD_PRELOAD=$(g++ -print-file-name=libasan.so)); scripts/test_sanitizers.sh "
+                                   "does that")
+    checks = kinds + (["float-cast-overflow"] if "undefined" in kinds else [])
+    return [f"-fsanitize={','.join(checks)}", "-fno-omit-frame-pointer", "-g"], "sanitize-" + "-".join(kinds)
+
+
+def _asan_runtime_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libasan" in maps.read()
+    except OSError:
+        return False
+
+
 def build_library(source: Path, build_dir: Path, flags: list[str]) -> Path:
     """Compile `source` with `flags` into `build_dir` unless a library for this source, compiler, flags and CPU is
-    there already; returns its path.
+    there already; returns its path. With `OMNI_KERNEL_SANITIZERS` set, the sanitizer flags are added and the
+    library goes to a subfolder of `build_dir` (`sanitizer_build`).
 
     Raises:
         CpuKernelUnavailable: as the class says.
     """
+    extra, subfolder = sanitizer_build(os.environ.get(SANITIZERS_ENV, ""))
+    if subfolder:
+        build_dir, flags = build_dir / subfolder, [*flags, *extra]
     name = os.environ.get("CXX", "g++")
     compiler = shutil.which(name)
     if compiler is None:

@@ -20,6 +20,8 @@ from omni_backend.engine.sequence import PromptEmbeds, PromptPositions, Sequence
 
 logger = logging.getLogger(__name__)
 
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or Inf) for this request"
+
 
 @dataclass
 class TokenLogprob:
@@ -38,7 +40,8 @@ class RequestOutput:
     Attributes:
         text: released text delta (the whole text for non-streamed requests).
         token_ids: generated token ids in this delta (stop tokens excluded).
-        finish_reason: None while running, else "stop", "length" or "abort".
+        finish_reason: None while running, else "stop", "length", "abort" or "error" (the engine could not go on
+            with this request alone; `error` says why).
         prompt_tokens, completion_tokens: cumulative counts (tokens).
         logprobs: one entry per token of `token_ids` when requested, else empty.
         prompt_logprobs: one entry per prompt token (the first with logprob None) in the request's first output
@@ -47,6 +50,7 @@ class RequestOutput:
             when its first token was sampled (None until then); for metrics.
         cached_tokens: prompt tokens whose KV the prefix cache supplied when the request was first admitted
             (tokens; 0 before admission or without a hit).
+        error: why the request ended with finish_reason "error", else None.
     """
 
     request_id: str
@@ -60,6 +64,7 @@ class RequestOutput:
     first_token_time: float | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,7 +81,7 @@ class RequestOutput:
             self.first_scheduled_time if self.first_scheduled_time is not None else later.first_scheduled_time,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-            later.cached_tokens,
+            later.cached_tokens, later.error,
         )
 
 
@@ -204,7 +209,8 @@ class LLMEngine:
         """Run one scheduling step; returns outputs for requests with new text or that finished.
 
         A step that runs out of device memory frees what it held and is retried by the next steps with half the
-        token budget (see scheduler.py); no request fails for it unless the budget is down to one token.
+        token budget (see scheduler.py); no request fails for it unless the budget is down to one token. A request
+        whose logits come out non-finite (NaN or Inf) ends alone, with finish_reason "error"; the others go on.
 
         Raises:
             torch.OutOfMemoryError: a one-token step still runs out of memory.
@@ -229,8 +235,12 @@ class LLMEngine:
         if result is None:
             return outputs
         now = time.monotonic()
+        failed = set(result.failed)
         for row, seq in enumerate(sampled):
             state = self.requests[seq.request_id]
+            if row in failed:
+                outputs.append(self._fail(state, NON_FINITE_LOGITS))
+                continue
             token = result.token_ids[row]
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -242,6 +252,14 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _fail(self, state: _RequestState, error: str) -> RequestOutput:
+        """End the request now with finish_reason "error" and `error`; its final output."""
+        logger.error("request %s: %s; ending it with an error", state.seq.request_id, error)
+        self.scheduler.finish(state.seq, "error")
+        output = self._emit(state, final=True)
+        output.error = error
+        return output
 
     def _check_stop(self, state: _RequestState, token: int, logprob) -> str | None:
         seq, params = state.seq, state.seq.params

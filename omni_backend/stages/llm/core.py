@@ -87,7 +87,10 @@ class EngineCore(BackgroundLoop):
             self._fail_all(StageError(ErrorKind.INTERNAL, "engine step failed (see server log)"))
             return
         for output in outputs:
-            self.outbox.put((output.request_id, output))
+            if output.finish_reason == "error":  # this request alone could not go on (engine.step says why)
+                self.outbox.put((output.request_id, StageError(ErrorKind.INTERNAL, f"llm failed: {output.error}")))
+            else:
+                self.outbox.put((output.request_id, output))
 
     def drain_inbox(self) -> None:
         """Carry out every message waiting in the inbox, in order."""

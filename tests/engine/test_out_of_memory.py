@@ -1,5 +1,5 @@
 """A step that runs out of device memory (injected on CPU) is retried with half the token budget and loses
-nothing; only a one-token step that still runs out is raised."""
+nothing, seeded draws included; only a one-token step that still runs out is raised."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from omni_backend.engine import sampler as sampler_module
 from omni_backend.engine import scheduler as scheduler_module
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
@@ -68,3 +69,29 @@ def test_an_out_of_memory_one_token_step_is_raised(tiny_qwen2_path, monkeypatch)
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(torch.OutOfMemoryError):
         engine.step()
+
+
+def test_seeded_sampling_after_an_out_of_memory_retry_draws_the_same_tokens(tiny_qwen2_path, monkeypatch):
+    """The injected OOM strikes inside the sampler, after the seeded rows' noise was drawn (their generators had
+    advanced by a vocabulary of draws, one of them made in that very step): the retried steps restore the state and
+    every request's tokens are those of a run without the fault."""
+    prompts = [list(range(100, 140)), list(range(300, 310)), [7, 8, 9]]
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.7, seed=12, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=13, ignore_eos=True)]
+    expected = [o.token_ids for o in LLMEngine(_config(tiny_qwen2_path)).generate(prompts, params)]
+
+    noise_init = sampler_module._SeededNoise.__init__
+    calls = []
+
+    def failing_noise(self, *args, **kwargs):
+        noise_init(self, *args, **kwargs)  # the generators advance here
+        calls.append(len(calls) + 1)
+        if calls[-1] in (1, 4):  # the first step (generators made in it) and a decode step
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+
+    monkeypatch.setattr(sampler_module._SeededNoise, "__init__", failing_noise)
+    engine = LLMEngine(_config(tiny_qwen2_path))
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert engine.num_oom_recoveries == 2 and len(calls) > 4
+    assert got == expected

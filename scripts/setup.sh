@@ -61,7 +61,14 @@ if [[ "$previous" != "$(stamp_key "$flavor")" ]]; then
     "$VENV/bin/python" -m pip uninstall -y -q torch
   fi
   echo "[setup] torch flavour $flavor: $(paste -sd' ' "$torch_requirements")"
-  pip_install -r "$torch_requirements" -r requirements.txt
+  # A flavour whose torch wheel pip cannot find (cu126/cu129 come from download.pytorch.org, which is not always
+  # reachable, and not every Python has every build) stops setup with an explanation and the alternatives.
+  pip_log="$VENV/.omni-pip-install.log"
+  if ! pip_install -r "$torch_requirements" -r requirements.txt 2>&1 | tee "$pip_log"; then
+    torch_flavor install-failure "$flavor" < "$pip_log" || true
+    echo "[setup] error: installing the pinned packages failed (pip's output above, also in $pip_log)" >&2
+    exit 1
+  fi
   pip_install --no-deps -r requirements-nodeps.txt
   pip_install --no-deps -e .
   # torch, its CUDA and triton against the flavour and the driver; a mismatch stops setup with both versions named

@@ -6,6 +6,7 @@ before torch is installed (stdlib only at import; pynvml and packaging are impor
     python -m omni_backend.ops.torch_flavor choose               # the flavour name for this machine
     python -m omni_backend.ops.torch_flavor requirements [NAME]  # its pip requirement lines
     python -m omni_backend.ops.torch_flavor check [NAME]         # installed torch/triton fit it and the driver
+    python -m omni_backend.ops.torch_flavor install-failure NAME < pip-output   # why pip found no such torch
 
 Flavours of torch 2.13.0 (`FLAVORS`):
     cpu    torch==2.13.0 and triton==3.7.1. Here pip's find-links holds a CPU wheel (2.13.0+cpu), which declares no
@@ -15,7 +16,9 @@ Flavours of torch 2.13.0 (`FLAVORS`):
     cu129  torch==2.13.0+cu129 from https://download.pytorch.org/whl/cu129 (CUDA 12.9)
     cu130  torch==2.13.0 from PyPI: its Linux x86_64 wheel is the CUDA 13.0 build (its PEP 658 metadata lists
            cuda-toolkit[...]==13.0.3, nvidia-cudnn-cu13==9.20.0.48 and triton==3.7.1)
-Only cpu and cu130 are verified from our workplace, which reaches PyPI but not download.pytorch.org. The cu12x
+Only cpu and cu130 are verified from our workplace, which reaches PyPI but not download.pytorch.org: no cu12x wheel
+has been resolved from here. When pip finds no torch wheel for the flavour (not published for this Python and
+platform, or the index unreachable), setup stops with `install_failure_message`'s explanation. The cu12x
 flavours follow PyTorch's release matrix for 2.13 (pytorch/pytorch RELEASE.md, "Release Compatibility Matrix":
 stable CUDA 12.6 and 13.0, experimental 13.2; no 12.8 build since 2.12) and the 2.13.0 wheel build matrix
 (.github/scripts/generate_binary_build_matrix.py: CUDA_ARCHES 12.6, 12.9, 13.0, 13.2), read from copies, not from
@@ -34,6 +37,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import platform
+import re
 import sys
 from dataclasses import dataclass
 
@@ -243,6 +248,32 @@ def advice(driver: Driver) -> str:
     return f"set {ENV_VAR}={fitting.name} and rerun scripts/setup.sh (or upgrade the driver)"
 
 
+# pip's words when no candidate exists for a requirement: without other constraints, and (with a constraint file,
+# as some machines' pip configuration has) inside its ResolutionImpossible report
+_NO_TORCH = re.compile(r"(?:No matching distribution found for|Could not find a version that satisfies the "
+                       r"requirement) torch\b|no matching distributions available for your environment:\s+torch\b")
+
+
+def install_failure_message(flavor: Flavor, pip_output: str) -> str:
+    """Why setup stops when pip could not install `flavor`: "" unless pip's output says it found no torch wheel.
+
+    Args:
+        pip_output: what pip printed (stdout and stderr) for the flavour's requirement lines.
+    """
+    if not _NO_TORCH.search(pip_output):
+        return ""
+    wanted = next(line for line in flavor.requirements if line.startswith("torch=="))
+    index = next((line.split()[-1] for line in flavor.requirements if line.startswith("--extra-index-url")), "PyPI")
+    here = f"CPython {sys.version_info.major}.{sys.version_info.minor} on {platform.system()} {platform.machine()}"
+    others = ", ".join(f"{ENV_VAR}={name}" for name in FLAVORS if name != flavor.name)
+    unverified = ("; no wheel of this flavour has been resolved from the project's workplace (it reaches PyPI, not "
+                  "download.pytorch.org)") if index != "PyPI" else ""
+    return (f"pip found no wheel for {wanted} ({flavor.name} flavour) for {here} at {index}: none is published for "
+            f"this Python and platform, or the index cannot be reached from here{unverified}. Choose another flavour "
+            f"({others}; cu130 needs a CUDA 13 driver) or a Python that has the wheel (OMNI_PYTHON), and rerun "
+            f"scripts/setup.sh")
+
+
 # --- command line -------------------------------------------------------------------------------------------
 
 
@@ -256,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring); returns the exit code (1 with a message on stderr on an error)."""
     parser = argparse.ArgumentParser(prog="python -m omni_backend.ops.torch_flavor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("choose", "requirements", "check"))
+    parser.add_argument("command", choices=("choose", "requirements", "check", "install-failure"))
     parser.add_argument("flavor", nargs="?", help=f"a flavour name (default: {ENV_VAR}, else from the driver)")
     args = parser.parse_args(argv)
     try:
@@ -270,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "requirements":
         print("\n".join(flavor.requirements))
         return 0
+    if args.command == "install-failure":  # pip's output on stdin; exit 1 with the explanation when it applies
+        message = install_failure_message(flavor, sys.stdin.read())
+        if message:
+            print(f"[torch_flavor] error: {message}", file=sys.stderr)
+        return 1 if message else 0
     try:
         facts = installed_torch()
     except ImportError as exc:

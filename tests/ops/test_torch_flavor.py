@@ -121,11 +121,11 @@ def test_a_cuda_flavour_with_another_build_installed_is_named():
         "torch 2.12.0 is installed, setup installs torch 2.13.0"]
 
 
-def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, input: str | None = None, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k != "OMNI_TORCH_CUDA"}
     return subprocess.run([sys.executable, "-m", "omni_backend.ops.torch_flavor", *args], cwd=paths.PROJECT_ROOT,
                           env={**environment, "PYTHONPATH": str(paths.PROJECT_ROOT), **env}, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, input=input)
 
 
 def test_command_line_prints_the_lines_and_refuses_unknown_flavours():
@@ -153,3 +153,40 @@ def test_this_machines_environment_passes_the_check():
     run = run_cli("check")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("[torch_flavor] torch 2.13.0") and run.stdout.rstrip().endswith(": ok")
+
+
+def _pip_without_the_wheel(tmp_path, *extra: str) -> str:
+    """What pip prints for the cu126 torch against an index that has no such wheel (an empty folder; the machine's
+    pip configuration ignored, so no other index or constraint comes in)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links",
+                          str(tmp_path), *extra, "torch==2.13.0+cu126"], capture_output=True, text=True,
+                         env={**environment, "PIP_CONFIG_FILE": os.devnull}, timeout=120)
+    assert run.returncode == 1
+    return run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["plain", "with a constraint file"])
+def test_setup_explains_a_flavour_whose_wheel_the_registry_does_not_have(tmp_path, constrained):
+    """pip's real output (its plain "No matching distribution" and, when a constraint file is configured, its
+    ResolutionImpossible report) becomes the message setup stops with: the wheel, the index, the alternatives."""
+    extra = ()
+    if constrained:
+        (tmp_path / "constraints.txt").write_text("torch<=2.14.1\n")
+        extra = ("-c", str(tmp_path / "constraints.txt"))
+    run = run_cli("install-failure", "cu126", input=_pip_without_the_wheel(tmp_path, *extra))
+    assert run.returncode == 1
+    assert ("pip found no wheel for torch==2.13.0+cu126 (cu126 flavour) for CPython "
+            f"{sys.version_info.major}.{sys.version_info.minor}") in run.stderr
+    assert "at https://download.pytorch.org/whl/cu126" in run.stderr
+    assert "no wheel of this flavour has been resolved from the project's workplace" in run.stderr
+    assert "OMNI_TORCH_CUDA=cu130" in run.stderr and "rerun scripts/setup.sh" in run.stderr
+
+
+def test_other_install_failures_are_left_to_pips_own_message():
+    run = run_cli("install-failure", "cu130", input="ERROR: No matching distribution found for numpy==0.0.1\n")
+    assert (run.returncode, run.stderr) == (0, "")
+    message = torch_flavor.install_failure_message(
+        FLAVORS["cu130"], "ERROR: No matching distribution found for torch==2.13.0\n")
+    assert message.startswith("pip found no wheel for torch==2.13.0 (cu130 flavour)") and "at PyPI:" in message
+    assert "resolved from the project's workplace" not in message

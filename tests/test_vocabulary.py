@@ -15,7 +15,9 @@ from omni_backend.vocabulary import (BY_PARAM, BY_TENSOR, DATATYPE_RANGES, PROMP
                                      ErrorKind, FieldError, StageError, openai_param, tensor_value_problem)
 
 REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
-INTERNAL_PARAMS = {"stop_token_ids"}  # SamplingParams attributes no request sets (the engine's own stop ids)
+# SamplingParams attributes no request sets: the engine's own stop ids, and what the talker's requests and the
+# thinker's requests for a spoken answer set (stages/talker.py)
+INTERNAL_PARAMS = {"stop_token_ids", "suppress_token_ids", "return_hidden_states"}
 
 
 def config_inputs(model: str) -> dict[str, tuple[str, bool]]:

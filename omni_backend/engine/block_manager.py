@@ -123,11 +123,15 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a waiting `seq` (holding no blocks) would start with: its longest run of leading full
         blocks with cached names, short of its last token (which is always computed). Empty when caching is off
-        or the sequence asks for prompt logprobs (they are read from the prefill's hidden states)."""
+        or the sequence asks for prompt logprobs (they are read from the prefill's hidden states); a sequence that
+        returns its hidden states starts only from blocks whose rows it has already recorded (a preempted one)."""
         if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return []
+        usable = (len(seq) - 1) // self.block_size
+        if seq.params.return_hidden_states:
+            usable = min(usable, seq.num_hidden_rows // self.block_size)
         blocks = []
-        for index in range((len(seq) - 1) // self.block_size):
+        for index in range(usable):
             block = self._by_name.get(prefix_cache.block_name(seq, index, self.block_size))
             if block is None:
                 break

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.detokenizer import IncrementalDetokenizer
+from omni_backend.engine.hidden_states import take_hidden_rows
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.model_runner import ModelRunner
 from omni_backend.engine.sampling_params import SamplingParams
@@ -51,6 +52,9 @@ class RequestOutput:
         cached_tokens: prompt tokens whose KV the prefix cache supplied when the request was first admitted
             (tokens; 0 before admission or without a hit).
         error: why the request ended with finish_reason "error", else None.
+        hidden_states, input_embeds: for a request with `params.return_hidden_states`, the last-layer hidden
+            states and layer-0 input embeddings [k, hidden] float32 of the next k token positions (the prompt's
+            first, from position 0; then each generated token fed back: engine/hidden_states.py); else None.
     """
 
     request_id: str
@@ -65,6 +69,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
     error: str | None = None
+    hidden_states: torch.Tensor | None = None
+    input_embeds: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,7 +87,8 @@ class RequestOutput:
             self.first_scheduled_time if self.first_scheduled_time is not None else later.first_scheduled_time,
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-            later.cached_tokens, later.error,
+            later.cached_tokens, later.error, _joined(self.hidden_states, later.hidden_states),
+            _joined(self.input_embeds, later.input_embeds),
         )
 
 
@@ -282,12 +289,13 @@ class LLMEngine:
             if not final:
                 return None
             delta = state.text
-        elif not final and not delta:
+        elif not final and not delta and not seq.hidden_rows:
             return None  # hold ids until they produce visible text (incomplete UTF-8 or possible stop string)
+        hidden, embeds = take_hidden_rows(seq)
         output = RequestOutput(seq.request_id, delta, state.pending_ids, seq.finish_reason if final else None,
                                seq.num_prompt_tokens, seq.num_output_tokens, state.pending_logprobs,
                                seq.first_scheduled_time, seq.first_token_time, self._prompt_logprobs(state),
-                               seq.num_cached_tokens or 0)
+                               seq.num_cached_tokens or 0, hidden_states=hidden, input_embeds=embeds)
         state.pending_ids = []
         state.pending_logprobs = []
         if final:
@@ -315,3 +323,10 @@ class LLMEngine:
                 if output.finished:
                     finals[output.request_id] = output
         return [finals[i] for i in ids]
+
+
+def _joined(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows of two consecutive outputs as one tensor (either may be None)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return torch.cat([first, second])

@@ -33,6 +33,7 @@ from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_sizes
 from omni_backend.engine.device import Device, HostToDeviceStaging
+from omni_backend.engine.hidden_states import record_hidden_states
 from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
 from omni_backend.engine.models import registry
 from omni_backend.engine.models.llama import LlamaForCausalLM
@@ -353,14 +354,16 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
         """Run one step; returns the sequences that sampled a token (in order) and their samples.
 
-        The sequences' computed-token counts advance only once the whole step (forward and sampling) has
-        succeeded, so a step that raises (a CUDA out-of-memory error) can be scheduled again as it was; then the
+        Sequences that ask for their hidden states get this step's rows (engine/hidden_states.py). The sequences'
+        computed-token counts advance only once the whole step (forward and sampling) has succeeded, so a step that raises (a CUDA out-of-memory error) can be scheduled again as it was; then the
         blocks they filled are offered to the prefix cache.
         """
         inputs = prepare_step(batch, self.block_manager, self.staging)
         hidden = self._forward(inputs)
         if any(seq.params.prompt_logprobs is not None for seq in batch.seqs[:batch.num_prefills]):
             record_prompt_logprobs(batch, hidden, self.model.compute_logits)
+        if any(seq.params.return_hidden_states for seq in batch.seqs):
+            record_hidden_states(batch, inputs.input_ids, hidden, self.model.embed_tokens)
         result = None
         if inputs.sampled:
             rows = hidden if inputs.is_decode_only else hidden[inputs.logit_rows]

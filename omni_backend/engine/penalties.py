@@ -1,4 +1,5 @@
-"""Repetition, presence and frequency penalties on a batch of logits, each row by its own sequence's settings."""
+"""Repetition, presence and frequency penalties and suppressed tokens on a batch of logits, each row by its own
+sequence's settings."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         distinct token of the prompt and output becomes x / r if x > 0 else x * r (CTRL); then, with a presence
         or frequency penalty, each distinct generated token becomes x - (frequency * count + presence), count =
         its occurrences in the output (OpenAI). The float32 operations are the pre-#14 sampler's, so the result
-        is the same bit for bit.
+        is the same bit for bit. Last, the row's `suppress_token_ids` become -inf (never sampled; transformers'
+        SuppressTokensLogitsProcessor, which its generate applies after the repetition penalty).
     """
     vocab = logits.shape[1]
     repeated = [row for row, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     counted = [row for row, s in enumerate(seqs)
                if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens]
-    if not repeated and not counted:
+    suppressed = [row for row, s in enumerate(seqs) if s.params.suppress_token_ids]
+    if not repeated and not counted and not suppressed:
         return logits
     logits = logits.clone(memory_format=torch.contiguous_format)
     flat = logits.view(-1)
@@ -44,6 +47,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         weights = to_device([[seqs[row].params.frequency_penalty, seqs[row].params.presence_penalty]
                               for row in counted], torch.float32, logits.device)[owner]
         flat[positions] = flat[positions] - (weights[:, 0] * count.to(torch.float32) + weights[:, 1])
+    if suppressed:
+        positions, _, _ = _token_positions([seqs[row].params.suppress_token_ids for row in suppressed], suppressed,
+                                           vocab, logits.device)
+        flat[positions] = float("-inf")
     return logits
 
 

@@ -93,11 +93,14 @@ class SamplingParams:
         presence_penalty, frequency_penalty: OpenAI semantics over generated tokens.
         stop: stop strings (at most MAX_STOP_STRINGS, none empty); their text is never returned.
         stop_token_ids: extra token ids that end generation (the token itself is not returned).
+        suppress_token_ids: token ids never sampled (their logits are -inf; transformers' `suppress_tokens`).
         ignore_eos: keep generating past the EOS token.
         logprobs: None for none, else the number of top alternatives returned per token.
         prompt_logprobs: None for none, else logprobs of the prompt's own tokens are returned too, with this
             many top alternatives each (the first prompt token has none).
         stream: send deltas as they are produced instead of one final response.
+        return_hidden_states: outputs carry each token's layer-0 input embedding and last-layer hidden state, for
+            the prompt and every generated token fed back (engine/hidden_states.py; what a talker reads).
     """
 
     max_tokens: int = 16
@@ -111,10 +114,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    suppress_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     stream: bool = False
+    return_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -143,10 +148,12 @@ class SamplingParams:
             raise InvalidSamplingParam("stop", f"allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(s == "" for s in self.stop):
             raise InvalidSamplingParam("stop", "strings must not be empty")
-        if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidSamplingParam("stop_token_ids", "must be a list of integers >= 0")
-        for name in ("ignore_eos", "stream"):
+        for name in ("stop_token_ids", "suppress_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                    for t in ids):
+                raise InvalidSamplingParam(name, "must be a list of integers >= 0")
+        for name in ("ignore_eos", "stream", "return_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParam(name, f"must be a boolean, got {getattr(self, name)!r}")
 

@@ -98,6 +98,10 @@ class Sequence:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache when the sequence was first admitted
             (OpenAI's usage.prompt_tokens_details.cached_tokens); None until then.
         pool_row: row in the block-table pool while running, else None.
+        hidden_rows: (last-layer hidden states [k, H], input embeddings [k, H]) float32 host tensors of positions
+            computed for a request with `params.return_hidden_states`, not yet in an output (engine/hidden_states.py).
+        num_hidden_rows: leading positions whose rows were recorded (they are not recorded again after a
+            preemption).
         generator: the request's RNG when it has a seed (same seed + prompt -> same tokens): None until the
             sampler first samples for it, then `torch.Generator(device=<logits' device>).manual_seed(seed)`;
             kept through preemption, so the stream goes on where it stopped.
@@ -126,6 +130,8 @@ class Sequence:
         # (token id, logprob, top alternatives) per prompt token, when params.prompt_logprobs asks (prompt_logprobs.py)
         self.prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] = []
         self.generator: torch.Generator | None = None
+        self.hidden_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_hidden_rows = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -59,6 +59,10 @@ _QWEN2_5_OMNI_TEMPLATE = (
 _QWEN2_5_OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
                         "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
                         "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+# The talker config's thinker tokens (text stream start, end and padding) and each speaker's first token.
+_TALKER_TEXT_TOKENS = {"tts_text_start_token_id": "<|tts_bos|>", "tts_text_end_token_id": "<|tts_eos|>",
+                       "tts_text_pad_token_id": "<|tts_pad|>"}
+_SPEAKER_TOKENS = {"Chelsie": "<|chelsie|>", "Ethan": "<|ethan|>"}
 
 
 def build(architecture: str, folder: str | Path, log=print) -> Path:
@@ -84,7 +88,7 @@ def build(architecture: str, folder: str | Path, log=print) -> Path:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     if architecture == "qwen2_5_omni":
-        _finish_qwen2_5_omni(folder, model.config)
+        _finish_qwen2_5_omni(folder, tokenizer)
     log(f"[setup] built a tiny random {type(model).__name__} checkpoint in {folder}")
     return folder
 
@@ -155,6 +159,10 @@ def _qwen2_5_omni(tokenizer):
     from omni_backend.stages.models.qwen2_5_omni import OmniProcessor
 
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _QWEN2_5_OMNI_TOKENS.items()}
+    # The talker's text marks and the speakers' first tokens are thinker tokens (their embeddings open and close the
+    # talker's text stream), so they live in the thinker's vocabulary, as in the released models.
+    _add_tokens(tokenizer, [*_TALKER_TEXT_TOKENS.values(), *_SPEAKER_TOKENS.values()])
+    speech = {key: tokenizer.convert_tokens_to_ids(token) for key, token in _TALKER_TEXT_TOKENS.items()}
     marks = dict(image_token_index=ids["image_token"], video_token_index=ids["video_token"],
                  audio_token_index=ids["audio_token"], audio_start_token_id=ids["audio_bos_token"],
                  audio_end_token_id=ids["audio_eos_token"], vision_start_token_id=ids["vision_bos_token"],
@@ -173,7 +181,7 @@ def _qwen2_5_omni(tokenizer):
                           d_model=32, output_dim=64, n_window=50, max_source_positions=1500),
         **marks)
     talker = dict(vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_parameters=rope, **marks)
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_parameters=rope, **marks, **speech)
     token2wav = dict(
         dit_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, emb_dim=32,
                         enc_emb_dim=192, enc_dim=32, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16,
@@ -189,17 +197,16 @@ def _qwen2_5_omni(tokenizer):
     return Qwen2_5OmniForConditionalGeneration(config), processor
 
 
-def _finish_qwen2_5_omni(folder: Path, config) -> None:
-    """What a downloaded Qwen2.5-Omni folder has beyond `save_pretrained`: `spk_dict.pt` (speaker -> its talker
-    bos token, 192-wide speaker condition and reference mel [frames, 80]), and `Qwen2_5OmniProcessor` as the
+def _finish_qwen2_5_omni(folder: Path, tokenizer) -> None:
+    """What a downloaded Qwen2.5-Omni folder has beyond `save_pretrained`: `spk_dict.pt` (speaker -> its first
+    thinker token, 192-wide speaker condition and reference mel [frames, 80]), and `Qwen2_5OmniProcessor` as the
     processor class (transformers' AutoProcessor then loads the whole processor where torchvision is installed)."""
     import json
 
     import torch
 
-    bos = config.talker_config.tts_codec_start_token_id
-    speakers = {name: {"bos_token": bos, "cond": torch.randn(192), "ref_mel": torch.randn(40, 80)}
-                for name in ("Chelsie", "Ethan")}
+    speakers = {name: {"bos_token": tokenizer.convert_tokens_to_ids(token), "cond": torch.randn(192),
+                       "ref_mel": torch.randn(40, 80)} for name, token in _SPEAKER_TOKENS.items()}
     torch.save(speakers, folder / "spk_dict.pt")
     for name in ("processor_config.json", "tokenizer_config.json"):
         path = folder / name

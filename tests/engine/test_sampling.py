@@ -111,6 +111,15 @@ def test_penalties_change_logits_as_specified():
     assert logits[0].tolist() == [1.0, 2.0, -2.0, 4.0, 1.0]  # the input is not modified
 
 
+def test_suppressed_tokens_are_never_sampled_greedy_or_not():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
+    seqs = [Sequence(str(i), [1], SamplingParams(seed=i, suppress_token_ids=[0, 2]), 0.0) for i in range(199)]
+    seqs.append(Sequence("greedy", [1], SamplingParams(temperature=0.0, suppress_token_ids=[0]), 0.0))
+    tokens = Sampler()(logits, seqs).token_ids
+    assert set(tokens[:-1]) == {1, 3, 4} and tokens[-1] == 1
+    assert apply_penalties(logits[:1], seqs[:1])[0].tolist() == [float("-inf"), 3.0, float("-inf"), 1.0, 0.0]
+
+
 def test_vectorized_penalties_equal_the_reference_bit_for_bit():
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)

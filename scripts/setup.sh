@@ -76,6 +76,13 @@ if [[ "$previous" != "$(stamp_key "$flavor")" ]]; then
   stamp_key "$flavor" > "$stamp"
 fi
 
+# On a GPU machine OpenAI Triton compiles its kernel launchers with a C compiler against this Python's headers: check
+# both now (omni_backend/ops/triton_build.py), so a missing Python.h stops setup with how to install it, not the
+# llm stage at its first start.
+if [[ "$flavor" != cpu ]]; then
+  PYTHONPATH="$ROOT" "$VENV/bin/python" -m omni_backend.ops.triton_build
+fi
+
 # Runtime layout, model conversion (only when missing) and repository rendering: omni_backend/setup/.
 "$VENV/bin/python" -m omni_backend.setup
 # The image stage's default pipeline (tiny, random weights), built once: omni_backend/setup/tiny_sd.py.

@@ -8,6 +8,11 @@ The first choice goes by capability, never by device or model name (`first_choic
 - "triton": where the Triton kernels can run (as above, or TRITON_INTERPRET=1 on a CPU);
 - "cpu": on a CPU device; "torch": anywhere.
 
+On a CUDA device the triton choice also needs a C compiler and the Python headers, with which OpenAI Triton builds
+its kernel launchers (ops/triton_build.py); this is checked before any kernel runs: without them an explicit
+"triton" is refused with what is missing and how to install it, and "auto" falls back to torch with that as a
+WARNING and as the fallback reason.
+
 Then the choice is built (the cpu backend compiles its C++ kernel on first use, so whether it can is only known
 now) and, unless it is the torch reference itself, runs its self-test against torch (`self_test.py`). An automatic
 choice that cannot be built or fails the self-test falls back to torch with a WARNING naming why (and, for a failed
@@ -31,6 +36,7 @@ from omni_backend.engine.attention.self_test import self_test
 from omni_backend.engine.attention.torch_backend import TorchAttention
 from omni_backend.engine.attention.triton_backend import TritonAttention
 from omni_backend.ops.hardware import compute_capability, runtime_versions
+from omni_backend.ops.triton_build import launcher_problems_here, problem_message
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +101,19 @@ def select_attention(requested: str, device: torch.device, num_q_heads: int, num
     Raises:
         ValueError: a request `first_choice` refuses.
         CpuKernelUnavailable: "cpu" was requested explicitly and its kernel cannot be built here.
-        RuntimeError: an explicitly requested backend fails its self-test.
+        RuntimeError: an explicitly requested backend fails its self-test, or "triton" on a CUDA device where
+            Triton cannot build its kernel launchers (the message names what is missing and how to install it).
     """
     name, reason = first_choice(requested, device, compute_capability(device))
     scale = head_dim ** -0.5
     fallback = ""
+    if name == "triton" and device.type == "cuda" and launcher_problems_here():
+        message = problem_message(launcher_problems_here())
+        if requested != "auto":
+            raise RuntimeError(f"attention_backend=triton cannot run on {device}: {message}")
+        logger.warning("attention backend triton disabled, using torch (eager, no CUDA graphs): %s", message)
+        name, reason = "torch", "auto: Triton cannot build its kernel launchers here"
+        fallback = f"triton kernel launchers: {message}"
     try:
         backend = BACKENDS[name](scale, kernel_build_dir)
     except CpuKernelUnavailable as exc:

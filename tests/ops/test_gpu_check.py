@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import torch
 
 from omni_backend import paths
 
@@ -34,6 +37,29 @@ def test_a_gpu_that_torch_cannot_use_is_a_failure(tmp_path):
     run = _run(path_prefix=str(tmp_path))
     assert run.returncode == 1
     assert "nvidia-smi sees 1 GPU(s) but torch" in run.stderr and "cannot use them; driver: 535.104.05" in run.stderr
+
+
+def test_a_half_made_venv_without_torch_is_passed_over_for_a_python_that_imports_torch(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "gpu_check.sh")
+    venv_python = tmp_path / ".venv" / "bin" / "python"  # what a failed offline setup leaves: python, no torch
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} -S -c "import sys; sys.path[:] = []; import torch"\n')
+    venv_python.chmod(0o755)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # the machine's python, with torch
+    (tools / "python3").chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env["PATH"] = f"{tools}:{env['PATH']}"
+    run = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[:3] == [
+        "gpu_check.sh: .venv/bin/python cannot import torch; not using it",
+        "gpu_check.sh: python: python3",
+        f"gpu_check.sh: skipped: no NVIDIA GPU here (torch {torch.__version__}, CUDA available: no); nothing was "
+        "checked"]
 
 
 def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):

@@ -68,6 +68,9 @@ class ModelRunner:
         fallback_reason: why the attention backend or the matmuls are not the ones chosen first ("" when they
             are; both reasons joined by "; ").
         graph_runner: the decode CUDA graphs, None when decode runs eagerly (CPU, enforce_eager, torch backend).
+        kv_plan: the KV cache's size and how it was decided (`memory.KVCachePlan`); memory_profile: what a GPU
+            engine measured before sizing it (None on CPU or with an explicit size); graph_pool_bytes: what
+            capturing the CUDA graphs added to the reserved device memory (0 without graphs).
 
     Raises (constructor):
         ValueError: unsupported architecture, max_model_len beyond the model, a KV budget without one block, or
@@ -112,6 +115,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_eager_steps = 0
         self.graph_runner: DecodeGraphRunner | None = None
+        self.graph_pool_bytes = 0
         self._graph_sizes = capture_batch_sizes(config.max_num_seqs)
         self._plans: dict[int, tuple[int | None, DecodeWorkspace | None]] = {}  # by decode batch size
         self.staging = HostToDeviceStaging(staging_capacity(config.max_num_batched_tokens, config.max_num_seqs),
@@ -124,7 +128,7 @@ class ModelRunner:
             profile = self._profile_gpu_memory(capture)
         plan = plan_kv_cache(block_bytes, num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
                              gpu=profile, gpu_memory_utilization=config.gpu_memory_utilization)
-        self.num_blocks = plan.num_blocks
+        self.kv_plan, self.memory_profile, self.num_blocks = plan, profile, plan.num_blocks
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB): %s", plan.num_blocks, config.block_size,
                     plan.bytes / 2**20, plan.reason)
         if plan.num_blocks * config.block_size < config.max_model_len:
@@ -297,7 +301,7 @@ class ModelRunner:
                                               self.config.max_blocks_per_seq, device)
         with torch.inference_mode():
             self.graph_runner.capture_all()
-        grown = torch.cuda.memory_reserved(device) - before
+        grown = self.graph_pool_bytes = torch.cuda.memory_reserved(device) - before
         logger.info("captured CUDA graphs for decode batch sizes %s (split-KV partitions %s); the graph pool took "
                     "%.1f MiB", self.graph_runner.batch_sizes,
                     [self._decode_plan(size)[0] for size in self.graph_runner.batch_sizes], grown / 2**20)

@@ -75,3 +75,24 @@ def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):
     for name in ("graphs_vs_eager_fp32", "graphs_vs_eager_bf16"):
         assert report[name]["tokens_equal"] and report[name]["steps_compared"] == 11 * 24, report[name]
     assert set(report["decode_batch1"]["tok_per_s"]) == {"eager", "graph"}
+
+
+def test_the_default_settings_start_records_its_kv_plan_and_decode_speed(tmp_path):
+    output = tmp_path / "default_start.json"
+    run = subprocess.run([sys.executable, str(paths.PROJECT_ROOT / "scripts" / "gpu_default_start.py"), "--device",
+                          "cpu", "--layers", "2", "--seqs", "4", "--new-tokens", "8", "--output", str(output)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(output.read_text())
+    startup = report["startup"]
+    assert startup["settings"] == {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 8192,
+                                   "gpu_memory_utilization": 0.75, "block_size": 16, "kv_cache_bytes": 0}
+    # CPU: no profile, no graphs; bfloat16 (this CPU's auto dtype) blocks of 2 (K, V) x 2 layers x 16 x 3 x 64 x 2 B
+    assert (startup["memory_profile_bytes"], startup["graph_pool_bytes"], startup["graph_batch_sizes"]) == (None, 0, [])
+    block = 2 * 2 * 16 * 3 * 64 * torch.empty((), dtype=getattr(torch, startup["dtype"][6:])).element_size()
+    assert startup["kv_plan"] == {"num_blocks": (512 << 20) // block, "block_bytes": block,
+                                  "bytes": (512 << 20) // block * block, "tokens": (512 << 20) // block * 16,
+                                  "reason": "CPU default (512 MiB)"}
+    decode = report["decode"]
+    assert (decode["generated"], decode["decode_steps"], decode["ok"]) == (32, 7, True)
+    assert decode["decode_tok_per_s"] > 0 and report["versions"]["torch"] == torch.__version__

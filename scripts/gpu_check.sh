@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks for a lent NVIDIA GPU machine, with nothing but this repository (no converted checkpoint, no network).
 #
-# Uses ${PYTHON} when set, else the first of the project venv's python and python3 that imports torch (a venv left
-# half-made by a failed offline setup has a python without torch; a lent H200 machine's python3 has torch, triton,
-# transformers and pytest-xdist). On a machine without an NVIDIA GPU it says it skipped and exits 0; where
-# nvidia-smi sees a GPU but torch cannot use it, that is a failure (the install picked the wrong CUDA flavour).
+# Uses ${PYTHON} when set, else the first of the project venv's python and python3 that imports torch
+# (scripts/gpu_common.sh; a lent H200 machine's python3 has torch, triton, transformers and pytest-xdist). On a
+# machine without an NVIDIA GPU it says it skipped and exits 0; where nvidia-smi sees a GPU but torch cannot use it,
+# that is a failure (the install picked the wrong CUDA flavour).
 #
 # Steps, each under its own time limit (at most 120 + 75 + 150 + 45 s: under 7 minutes with start-up); every
 # step runs even if an earlier one failed, and the exit status is 1 if any failed:
@@ -27,23 +27,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 CPU_ONLY_KERNEL_TESTS=(test_kernels_cpu_ops.py test_kernels_linear_cpu.py test_kernels_paged_decode_cpu.py
                        test_kernel_sanitizer_build.py test_kernels_compile.py)
 
-probe='import torch; print(int(torch.cuda.is_available()), torch.__version__, torch.version.cuda)'
-if [[ -n "${PYTHON:-}" ]]; then
-    PY="$PYTHON"
-    torch_cuda="$("$PY" -c "$probe" 2>/dev/null || echo "0 none none")"
-else
-    PY="" torch_cuda="0 none none"
-    for candidate in .venv/bin/python python3; do
-        command -v "$candidate" >/dev/null || continue
-        if torch_cuda="$("$candidate" -c "$probe" 2>/dev/null)"; then PY="$candidate"; break; fi
-        echo "gpu_check.sh: $candidate cannot import torch; not using it"
-        torch_cuda="0 none none"
-    done
-    PY="${PY:-python3}"
-fi
-echo "gpu_check.sh: python: $PY"
+source scripts/gpu_common.sh  # PY, TORCH_CUDA, step
 gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
-read -r cuda_ok torch_version torch_cuda_version <<<"$torch_cuda"
+read -r cuda_ok torch_version torch_cuda_version <<<"$TORCH_CUDA"
 if [[ "$cuda_ok" != 1 ]]; then
     if [[ "${gpus:-0}" -gt 0 ]]; then
         echo "gpu_check.sh: FAILED: nvidia-smi sees ${gpus} GPU(s) but torch ${torch_version} (CUDA ${torch_cuda_version})" \
@@ -56,16 +42,6 @@ fi
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-failed=()
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $WORK/NAME.log, remember failures
-    local name=$1 limit=$2 rc=0 began=$SECONDS
-    shift 2
-    echo "== $name (limit ${limit} s) =="
-    timeout "$limit" "$@" 2>&1 | tee "$WORK/$name.log" || rc=$?
-    echo "-- $name: $([[ $rc -eq 0 ]] && echo ok || echo "FAILED (rc=$rc)") in $((SECONDS - began)) s"
-    [[ $rc -eq 0 ]] || failed+=("$name")
-}
-
 kernel_args=(tests/kernels -q -p no:cacheprovider --confcutdir=tests/kernels --durations=25
              --junitxml "$WORK/kernels_junit.xml")
 for name in "${CPU_ONLY_KERNEL_TESTS[@]}"; do kernel_args+=(--ignore "tests/kernels/$name"); done

@@ -41,7 +41,8 @@ def test_a_gpu_that_torch_cannot_use_is_a_failure(tmp_path):
 
 def test_a_half_made_venv_without_torch_is_passed_over_for_a_python_that_imports_torch(tmp_path):
     (tmp_path / "scripts").mkdir()
-    shutil.copy(SCRIPT, tmp_path / "scripts" / "gpu_check.sh")
+    for name in ("gpu_check.sh", "gpu_common.sh"):
+        shutil.copy(SCRIPT.parent / name, tmp_path / "scripts" / name)
     venv_python = tmp_path / ".venv" / "bin" / "python"  # what a failed offline setup leaves: python, no torch
     venv_python.parent.mkdir(parents=True)
     venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} -S -c "import sys; sys.path[:] = []; import torch"\n')

@@ -196,8 +196,13 @@ def main() -> int:
             report[name]["check_seconds"] = round(time.perf_counter() - started, 1)
             print(f"{name}: {json.dumps(report[name])}", flush=True)
     report["ok"] = all(report[name]["ok"] for name in checks)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
+    return write_report(report, args.output)
+
+
+def write_report(report: dict, path: str) -> int:
+    """Write `report` as JSON to `path` (folders made); the exit status it means: 0 when report["ok"], else 1."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
         json.dump(report, handle, indent=2)
     return 0 if report["ok"] else 1
 

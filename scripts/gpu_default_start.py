@@ -130,10 +130,7 @@ def main() -> int:
         except Exception as exc:  # record it: the JSON is the result either way
             report.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
     print(json.dumps({key: value for key, value in report.items() if key != "startup"}), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(report, handle, indent=2)
-    return 0 if report["ok"] else 1
+    return gpu_check_engine.write_report(report, args.output)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ gpu_check_engine.py's random-weight Llama with SmolLM2-135M's shapes.
 Recorded (JSON to --output, a summary line to stdout): seconds to start; the attention backend and any fallback;
 the memory profile, the KV plan (blocks, bytes, tokens, reason) and the graph pool in bytes; peak reserved device
 memory after start and after the decode; decode tok/s of --seqs requests generating --new-tokens tokens each
-(prompts of --prompt-tokens tokens, all prefilled in the first step; greedy, ignore_eos), counted over the steps
+(prompts of --prompt-tokens tokens each, all prefilled in the first step; greedy, ignore_eos), counted over the steps
 after that first one, and end to end. Versions of torch, CUDA, the driver and Triton are in the JSON.
 
 `--device cpu` runs the same code on a tiny model (the test suite's smoke test of this script).
@@ -49,7 +49,7 @@ def start(path: str, device: str) -> tuple[LLMEngine, dict]:
     """Build the engine as the llm stage does; returns it and what its start-up decided and measured."""
     config = EngineConfig(model_path=path, device=device, **SETTINGS)
     cuda = config.torch_device.type == "cuda"
-    apply_gpu_memory_budget(config.device, config.gpu_memory_utilization, "llm")
+    apply_gpu_memory_budget(str(config.torch_device), config.gpu_memory_utilization, "llm")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
@@ -75,8 +75,9 @@ def start(path: str, device: str) -> tuple[LLMEngine, dict]:
 def decode(engine: LLMEngine, seqs: int, prompt_tokens: int, new_tokens: int) -> dict:
     """Tokens per second of `seqs` greedy requests of `new_tokens` tokens each (see the module docstring)."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    batch = [engine.make_sequence(f"r{i}", prompt, params)
-             for i, prompt in enumerate(gpu_check_engine.prompts(seqs, prompt_tokens))]
+    # prompts of equal length (gpu_check_engine.prompts grows them by 3 tokens a row): all fit the first step
+    batch = [engine.make_sequence(f"r{i}", [1] + [(97 * i + 13 * j) % 49000 + 100 for j in range(prompt_tokens - 1)],
+                                  params) for i in range(seqs)]
     for seq in batch:
         engine.add_sequence(seq)
     sync = torch.cuda.synchronize if engine.runner.device.is_cuda else (lambda: None)
@@ -96,7 +97,8 @@ def decode(engine: LLMEngine, seqs: int, prompt_tokens: int, new_tokens: int) ->
     sync()
     ended = time.perf_counter()
     generated = sum(seq.num_output_tokens for seq in batch)
-    return {"seqs": seqs, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "generated": generated,
+    return {"seqs": seqs, "prompt_tokens": sum(seq.num_prompt_tokens for seq in batch), "new_tokens": new_tokens,
+            "generated": generated,
             "first_step_s": round(first_step_s, 3), "decode_steps": steps,
             "decode_tok_per_s": round((generated - seqs) / (ended - decode_began), 1),
             "end_to_end_tok_per_s": round(generated / (ended - began), 1),

@@ -81,7 +81,7 @@ def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):
 def test_the_default_settings_start_records_its_kv_plan_and_decode_speed(tmp_path):
     output = tmp_path / "default_start.json"
     run = subprocess.run([sys.executable, str(paths.PROJECT_ROOT / "scripts" / "gpu_default_start.py"), "--device",
-                          "cpu", "--layers", "2", "--seqs", "4", "--new-tokens", "8", "--output", str(output)],
+                          "cpu", "--layers", "2", "--new-tokens", "8", "--output", str(output)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(output.read_text())
@@ -95,5 +95,6 @@ def test_the_default_settings_start_records_its_kv_plan_and_decode_speed(tmp_pat
                                   "bytes": (512 << 20) // block * block, "tokens": (512 << 20) // block * 16,
                                   "reason": "CPU default (512 MiB)"}
     decode = report["decode"]
-    assert (decode["generated"], decode["decode_steps"], decode["ok"]) == (32, 7, True)
+    assert (decode["prompt_tokens"], decode["generated"], decode["decode_steps"], decode["ok"]) == (
+        64 * 16, 64 * 8, 7, True)  # 64 prompts of 16 tokens in the first step, then 7 decode steps
     assert decode["decode_tok_per_s"] > 0 and report["versions"]["torch"] == torch.__version__

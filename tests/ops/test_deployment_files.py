@@ -88,6 +88,7 @@ def test_dockerfile_installs_torch_from_torch_flavor_into_a_venv_of_the_images_p
     assert 'torch_flavor.py requirements "$OMNI_TORCH_CUDA"' in text
     assert "-r /tmp/torch-requirements.txt -r requirements.txt" in text
     assert 'torch_flavor.py check "$OMNI_TORCH_CUDA"' in text
+    assert re.search(r"^RUN python -m omni_backend.ops.triton_build$", text, re.M)  # gcc + Python.h, checked
     # no torch or triton version of its own, no index of its own, and the image's own Python backend stub
     assert not re.search(r"torch==|triton==|TORCH_VERSION|download\.pytorch\.org", text)
     assert "python_backend_stub" not in text.replace("/opt/tritonserver/backends/python/triton_python_backend_stub", "")

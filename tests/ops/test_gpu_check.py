@@ -63,13 +63,17 @@ def test_a_half_made_venv_without_torch_is_passed_over_for_a_python_that_imports
         "checked"]
 
 
-def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):
-    output = tmp_path / "engine.json"
-    run = subprocess.run([sys.executable, str(paths.PROJECT_ROOT / "scripts" / "gpu_check_engine.py"), "--device",
-                          "cpu", "--layers", "2", "--new-tokens", "8", "--output", str(output)],
+def _cpu_smoke_run(script: str, output) -> dict:
+    """Run a GPU check script on CPU with a 2-layer model and 8 new tokens; its JSON report."""
+    run = subprocess.run([sys.executable, str(paths.PROJECT_ROOT / "scripts" / script), "--device", "cpu",
+                          "--layers", "2", "--new-tokens", "8", "--output", str(output)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    report = json.loads(output.read_text())
+    return json.loads(output.read_text())
+
+
+def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):
+    report = _cpu_smoke_run("gpu_check_engine.py", tmp_path / "engine.json")
     assert report["ok"] and report["device"] == "cpu"
     assert report["startup"]["fallback_reason"] == ""
     assert report["startup"]["attention_reason"].startswith("auto: CPU device")
@@ -79,12 +83,7 @@ def test_the_engine_step_runs_its_checks_and_writes_its_report(tmp_path):
 
 
 def test_the_default_settings_start_records_its_kv_plan_and_decode_speed(tmp_path):
-    output = tmp_path / "default_start.json"
-    run = subprocess.run([sys.executable, str(paths.PROJECT_ROOT / "scripts" / "gpu_default_start.py"), "--device",
-                          "cpu", "--layers", "2", "--new-tokens", "8", "--output", str(output)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    report = json.loads(output.read_text())
+    report = _cpu_smoke_run("gpu_default_start.py", tmp_path / "default_start.json")
     startup = report["startup"]
     assert startup["settings"] == {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 8192,
                                    "gpu_memory_utilization": 0.75, "block_size": 16, "kv_cache_bytes": 0}

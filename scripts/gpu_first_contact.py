@@ -143,7 +143,10 @@ def ncu_pass(work: str, timeout_s: float) -> dict:
         log = os.path.join(work, f"ncu_{shape}.csv")
         command = ncu_command(ncu, shape, log, os.path.join(work, f"ncu_bench_{shape}.json"))
         status, output = _run(command, timeout_s)
-        text = open(log).read() if os.path.exists(log) else ""
+        text = ""
+        if os.path.exists(log):
+            with open(log) as handle:
+                text = handle.read()
         if "ERR_NVGPUCTRPERM" in text + output:
             result[shape] = {"skipped": "the GPU performance counters are not open to this user (ERR_NVGPUCTRPERM)"}
             continue
@@ -167,10 +170,11 @@ def report(work: str, gpu: bool, skipped: list[str]) -> dict:
     measured with (gpu_check.sh's its own keys)."""
     steps = {}
     if os.path.exists(os.path.join(work, "steps.tsv")):
-        for line in open(os.path.join(work, "steps.tsv")).read().split("\n"):
-            if line.strip():
-                name, rc, seconds = line.split()
-                steps[name] = {"rc": int(rc), "seconds": int(seconds), "ok": rc == "0"}
+        with open(os.path.join(work, "steps.tsv")) as handle:
+            for line in handle:
+                if line.strip():
+                    name, rc, seconds = line.split()
+                    steps[name] = {"rc": int(rc), "seconds": int(seconds), "ok": rc == "0"}
     found_versions = versions()
     doc = {"script": "scripts/gpu_first_contact.sh", "unix_time": int(time.time()), "gpu": gpu,
            "versions": found_versions, "steps": steps, "skipped": skipped,

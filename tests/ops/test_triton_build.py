@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,13 @@ def test_setup_check_exits_1_naming_the_problem_and_the_fix():
     ok = subprocess.run([sys.executable, "-m", "omni_backend.ops.triton_build"], env={**env, "CC": "gcc"},
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith(f"[triton_build] C compiler {shutil.which('gcc')} and ")
+
+
+def test_setup_runs_the_check_for_every_cuda_flavour_and_stops_on_its_failure():
+    text = (paths.PROJECT_ROOT / "scripts" / "setup.sh").read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "\nset -euo pipefail\n" in text  # a failed check stops setup
+    assert re.search(r'^if \[\[ "\$flavor" != cpu \]\]; then\n  PYTHONPATH="\$ROOT" "\$VENV/bin/python" -m '
+                     r"omni_backend\.ops\.triton_build\nfi$", text, re.M)
 
 
 def _on_a_gpu_without_launcher_tools(monkeypatch):

@@ -9,8 +9,9 @@ This module decides what runs together:
 
     blocks     the DiT attends within blocks of `block_size` mel frames (some layers one block back or ahead)
     chunk      `chunk_blocks` blocks of codec frames, computed once `future_blocks` blocks of codes after it are
-               known (or the answer ended), inside a window of up to `past_blocks` blocks before it and
-               `future_blocks` after it; windows start on block boundaries, so their blocks are the utterance's
+               known (at least the codes of the vocoder's right context; or the answer ended), inside a window of up
+               to `past_blocks` blocks before it and as many codes after it; windows start on block boundaries, so
+               their blocks are the utterance's
     noise      an answer's starting noise is drawn block by block from its own seeded generator and a window takes
                its frames' rows: every chunk starts from the noise the whole utterance would, the noise
                transformers' `sample` draws after `torch.manual_seed(seed)` (torch's CPU normals come in groups of
@@ -54,8 +55,8 @@ class Code2WavSettings(SettingGroup):
     chunk_blocks: int = setting(2, "DiT blocks of codec frames per streamed chunk (a block is 24 mel frames, 0.24 s of "
                                 "speech, in the released model)", low=1)
     past_blocks: int = setting(1, "blocks of codes before a chunk its window also computes", low=0)
-    future_blocks: int = setting(1, "blocks of codes after a chunk its window also computes (a chunk waits for them)",
-                                 low=0)
+    future_blocks: int = setting(1, "blocks of codes after a chunk its window also computes (a chunk waits for them; "
+                                 "at least the codes of vocoder_context are waited for)", low=0)
     vocoder_context: int = setting(16, "mel frames of the window on each side of a chunk the vocoder also reads",
                                    low=0)
     max_batch: int = setting(16, "chunks computed in one step at most", low=1)
@@ -144,6 +145,8 @@ class Code2Wav:
             raise ValueError(f"a DiT block of {self.block_mel} mel frames is no whole number of codec frames "
                              f"({self.repeats} mel frames each)")
         self.block = self.block_mel // self.repeats  # codec frames per block
+        # codec frames a window reaches past its chunk: the future blocks, at least the vocoder's right context
+        self.ahead = max(settings.future_blocks * self.block, math.ceil(settings.vocoder_context / self.repeats))
         self.num_codes = dit.num_embeds + 1  # the DiT's codec embedding rows
         self.hop = math.prod(config.bigvgan_config.upsample_rates)
         self.sample_rate = self.MEL_FRAMES_PER_SECOND * self.hop
@@ -212,11 +215,11 @@ class Code2Wav:
         if answer.finished and start >= count:  # the last chunk went before the answer was known to end
             return _Window(answer, request_id, count, count, count, count)
         end = start + self.settings.chunk_blocks * self.block
-        if not answer.finished and count < end + self.settings.future_blocks * self.block:
+        if not answer.finished and count < end + self.ahead:
             return None
         end = min(end, count)
         return _Window(answer, request_id, max(0, start - self.settings.past_blocks * self.block),
-                       min(count, end + self.settings.future_blocks * self.block), start, end)
+                       min(count, end + self.ahead), start, end)
 
     @torch.no_grad()
     def _mel(self, windows: list[_Window]) -> list[torch.Tensor]:

@@ -182,6 +182,79 @@ class TalkerInputs:
         return addends
 
 
+@dataclass
+class TalkerRequest:
+    """What a talker engine is given for an answer: `prompt` (token ids, prompt embeddings, M-RoPE ids or None:
+    `LLMEngine.add_request`'s) once, then later reply `rows` [k, H] and, at the end, the `tail`
+    (`LLMEngine.extend_inputs`)."""
+
+    prompt: tuple[list[int], PromptEmbeds, PromptPositions | None] | None = None
+    rows: torch.Tensor | None = None
+    tail: torch.Tensor | None = None
+
+
+class ReplyFeed:
+    """One answer's hand-off from its thinker to its talker, as the thinker streams (`RequestOutput.hidden_states`
+    and `input_embeds`, prompt rows first): its talker request as soon as the prompt rows and the first reply row
+    are known, then each later row as it comes, then the tail (text end, text pad) when the thinker has finished.
+
+    A reply of one token has no reply row (its only token is never fed back; transformers' `generate` fails on such
+    a reply): the text-end row takes the first reply row's place and the tail is the pad row.
+
+    Args:
+        inputs: the checkpoint's `TalkerInputs`.
+        voice: a voice of the checkpoint.
+        num_prompt_tokens: the thinker prompt's length N.
+        prompt_positions: the thinker prompt's M-RoPE ids int64 [3, N], or None for a text prompt.
+        media_positions: prompt positions of image, audio and video placeholders int64 [k], or None.
+
+    Raises (constructor):
+        StageError: an unknown voice (INVALID_ARGUMENT, field `voice`), before the thinker runs.
+    """
+
+    def __init__(self, inputs: TalkerInputs, voice: str, num_prompt_tokens: int,
+                 prompt_positions: torch.Tensor | None = None, media_positions: torch.Tensor | None = None):
+        inputs.speakers.check(voice, "voice")
+        self.inputs, self.voice, self.num_prompt_tokens = inputs, voice, num_prompt_tokens
+        self.prompt_positions, self.media_positions = prompt_positions, media_positions
+        self.seen = 0  # thinker positions whose rows came
+        self.started = False
+        self._held: list[torch.Tensor] = []  # rows before the talker's prompt is complete
+
+    def push(self, hidden: torch.Tensor | None, embeds: torch.Tensor | None, finished: bool) -> TalkerRequest:
+        """The next thinker output's rows (hidden states and input embeddings [k, H], or None) and whether it was
+        the last; what to give the talker now.
+
+        Raises:
+            ValueError: hidden states and embeddings of different shapes; a thinker that ended without its prompt's
+                rows.
+        """
+        rows = None
+        if hidden is not None and hidden.shape[0]:
+            rows = thinker_rows(hidden, embeds, self.media_positions, self.seen)
+            self.seen += rows.shape[0]
+        out = TalkerRequest(tail=self.inputs.tail if finished else None)
+        if self.started:
+            out.rows = rows
+            return out
+        if rows is not None:
+            self._held.append(rows)
+        if self.seen <= self.num_prompt_tokens and not finished:
+            return out
+        held = torch.cat(self._held) if self._held else torch.zeros(0, self.inputs.width)
+        count = self.num_prompt_tokens
+        if held.shape[0] < count:
+            raise ValueError(f"the thinker ended after rows of {held.shape[0]} of its {count} prompt positions (a "
+                             f"spoken answer's thinker request must return hidden states)")
+        if held.shape[0] > count:
+            first, out.rows = held[count], held[count + 1:]
+        else:  # a one-token reply
+            first, out.tail = self.inputs.tail[0], self.inputs.tail[1:]
+        out.prompt = self.inputs.prompt(self.voice, held[:count], first, self.prompt_positions)
+        self.started, self._held = True, []
+        return out
+
+
 def engine_config(folder: str, settings: TalkerSettings, device: str = "auto", dtype: str = "auto") -> EngineConfig:
     """The talker engine's config: the llm's checkpoint, device and dtype; the stage's batch and cache sizes; no
     prefix caching (a talker prompt is its thinker's rows, never shared)."""

@@ -12,10 +12,13 @@ from test_qwen2_5_omni import engine_request, make_engine, prepare
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.setup.tiny_hf_multimodal import build
+from omni_backend.stages.code2wav import Code2Wav, Code2WavSettings
 from omni_backend.stages.media_encoder import create_stage
 from omni_backend.stages.preprocess import Preprocessor
 from omni_backend.stages.preprocess_media import MediaConfig
-from omni_backend.stages.talker import Speakers, TalkerInputs, TalkerSettings, engine_config, thinker_rows
+from omni_backend.stages.talker import (ReplyFeed, Speakers, TalkerInputs, TalkerRequest, TalkerSettings,
+                                        engine_config, thinker_rows)
+from omni_backend.vocabulary import StageError
 
 REPLY = 24  # thinker tokens per answer (enough to outgrow the tight KV cache below)
 HIDDEN_TOLERANCE = 1e-5  # float32, absolute, on rows of magnitude up to ~3.5 (seen: 8.3e-7 at most)
@@ -106,6 +109,9 @@ def test_thinker_rows_equal_transformers_also_after_preemption_and_beside_prefix
 
 
 CODEC_TOKENS = 40  # talker tokens per answer at most (the tiny random talker rarely stops by itself)
+FLOW_STEPS = 3  # time points of code2wav's flow (10 by default; fewer keeps the tests fast)
+SEED = 11  # of code2wav's noise (transformers' generate: the global seed)
+WAVE_TOLERANCE = 1e-4  # joined chunks vs generate's waveform, relative to its peak (tests/..._code2wav.py says why)
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +150,10 @@ def transformers_speech(omni, inputs, voice: str) -> tuple[list[int], list[int],
     inputs = dict(inputs, input_ids=torch.cat([pad, inputs["input_ids"]], dim=1),
                   attention_mask=torch.cat([pad, inputs["attention_mask"]], dim=1))
     with torch.no_grad():
+        torch.manual_seed(SEED)
         text, wav = omni.generate(**inputs, speaker=voice, thinker_max_new_tokens=REPLY, thinker_do_sample=False,
-                                  talker_max_new_tokens=CODEC_TOKENS, talker_do_sample=False)
+                                  talker_max_new_tokens=CODEC_TOKENS, talker_do_sample=False,
+                                  token2wav_num_steps=FLOW_STEPS)
     codes = omni.talker_codes[-1]
     stops = [i for i, code in enumerate(codes) if code in (omni.talker.codec_pad_token, omni.talker.codec_eos_token)]
     return text[0, inputs["input_ids"].shape[1]:].tolist(), codes[:stops[0] if stops else len(codes)], wav
@@ -211,3 +219,80 @@ def test_greedy_talker_codec_ids_equal_transformers(folder, omni, ours):
         assert len(set(want)) > 1
     assert overtakes > 0
     assert talker.runner.block_manager.num_free_blocks == talker.runner.num_blocks  # every block freed
+
+
+def give(talker: LLMEngine, request_id: str, params: SamplingParams, inputs: TalkerInputs,
+         request: TalkerRequest) -> None:
+    """Hand a `ReplyFeed` step to the talker engine."""
+    if request.prompt is not None:
+        ids, embeds, positions = request.prompt
+        talker.add_request(request_id, ids, params, embeds, positions, inputs.addends(request.rows))
+        if request.tail is not None:
+            talker.extend_inputs(request_id, None, request.tail)
+    elif request.rows is not None or request.tail is not None:
+        talker.extend_inputs(request_id, request.rows, request.tail)
+
+
+def test_a_spoken_answer_streams_through_three_engines_and_equals_transformers_generate(folder, omni, ours):
+    """Thinker, talker and code2wav stepped in turn, each stage's output handed on as it comes (`ReplyFeed`):
+    transformers' greedy reply and talker codes, `generate`'s waveform within WAVE_TOLERANCE of its peak (same
+    seed), and the first audio chunk out before the thinker's last token."""
+    processor, _ = transformers_reference(folder)
+    case, voice = "image", "Ethan"
+    reply, expected_codes, wav = transformers_speech(omni, transformers_inputs(processor, case), voice)
+    inputs = TalkerInputs(folder, Speakers.load(folder))
+    thinker = make_engine(folder)
+    talker = LLMEngine(engine_config(folder, TalkerSettings(max_num_seqs=2), device="cpu", dtype="float32"))
+    code2wav = Code2Wav(folder, Code2WavSettings(chunk_blocks=1, future_blocks=0, num_steps=FLOW_STEPS))
+    out, spliced = prepare(ours, messages(case))
+    request = engine_request(out, spliced)
+    thinker.add_request("s", params=SamplingParams(max_tokens=REPLY, temperature=0.0, ignore_eos=True, stream=True,
+                                                   return_hidden_states=True), **request)
+    media = spliced.get("prompt_embed_positions")
+    feed = ReplyFeed(inputs, voice, len(request["prompt_token_ids"]), request["prompt_positions"].positions,
+                     torch.from_numpy(media.astype(np.int64)))
+    params = inputs.sampling(TalkerSettings(greedy=True, max_codec_tokens=CODEC_TOKENS))
+    code2wav.start("s", voice, SEED)
+    tokens, codes, chunks, step, thinker_done, first_audio = [], [], [], 0, None, None
+    while not chunks or not chunks[-1].final:
+        step += 1
+        for output in thinker.step():
+            tokens += output.token_ids
+            give(talker, "s", params, inputs, feed.push(output.hidden_states, output.input_embeds, output.finished))
+            thinker_done = step if output.finished else None
+        for output in talker.step():
+            codes += output.token_ids
+            code2wav.add("s", output.token_ids, finished=output.finished)
+        chunks += code2wav.step()
+        first_audio = first_audio or (step if chunks else None)
+    assert tokens == reply and codes == expected_codes
+    joined = torch.cat([chunk.audio for chunk in chunks])
+    assert joined.shape == wav.shape and len(chunks) > 2
+    assert (joined - wav).abs().max() <= WAVE_TOLERANCE * wav.abs().max()
+    assert first_audio < thinker_done
+
+
+def test_the_reply_feed_hands_over_rows_as_they_come_and_a_one_token_reply(folder):
+    inputs = TalkerInputs(folder, Speakers.load(folder))
+    width, count = inputs.width, 4
+    hidden, embeds = torch.randn(9, width), torch.randn(9, width)
+    rows = hidden + embeds
+    feed = ReplyFeed(inputs, "Chelsie", count)
+    assert feed.push(hidden[:3], embeds[:3], finished=False) == TalkerRequest()  # the prompt is not complete
+    got = feed.push(hidden[3:6], embeds[3:6], finished=False)  # prompt rows, the first reply row, one more
+    ids, prompt, positions = got.prompt
+    assert ids == [inputs.codec_mask] * count + [inputs.codec_pad, inputs.codec_bos] and positions is None
+    torch.testing.assert_close(prompt.embeds[:count], rows[:count], rtol=0, atol=1e-6)
+    torch.testing.assert_close(prompt.embeds[-1], rows[count] + inputs.codec_bos_row, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.rows, rows[5:6], rtol=0, atol=1e-6)
+    got = feed.push(hidden[6:9], embeds[6:9], finished=True)
+    assert got.prompt is None and torch.equal(got.tail, inputs.tail)
+    torch.testing.assert_close(got.rows, rows[6:9], rtol=0, atol=1e-6)
+
+    short = ReplyFeed(inputs, "Ethan", count).push(hidden[:count], embeds[:count], finished=True)
+    torch.testing.assert_close(short.prompt[1].embeds[-1], inputs.tail[0] + inputs.codec_bos_row, rtol=0, atol=0)
+    assert short.rows is None and torch.equal(short.tail, inputs.tail[1:])
+    with pytest.raises(ValueError, match="must return hidden states"):
+        ReplyFeed(inputs, "Ethan", count).push(None, None, finished=True)
+    with pytest.raises(StageError, match="Chelsie, Ethan"):
+        ReplyFeed(inputs, "Nobody", count)

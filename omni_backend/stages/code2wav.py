@@ -22,7 +22,7 @@ This module decides what runs together:
     vocoder    BigVGAN over the chunk's mel frames and up to `vocoder_context` frames of the window's mel on each
                side, cut to the chunk's samples
     batching   windows of equal length and equal reference-mel length go through the DiT in one call, mel slices
-               of equal length through BigVGAN in one call (`batch_sizes` records the DiT's)
+               of equal length through BigVGAN in one call (`batch_sizes` counts the DiT's)
 
 Joined chunks differ from the whole utterance where the flow carries information farther than a window reaches
 (each of its DiT evaluations sees up to a block further); tests/multimodal/test_qwen2_5_omni_speech.py states
@@ -32,7 +32,7 @@ the tolerance measured.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +68,14 @@ class Code2WavSettings(SettingGroup):
 
 @dataclass
 class Chunk:
-    """A piece of an answer's waveform: float32 samples in [-1, 1] at the model's rate; `final` on its last."""
+    """A piece of an answer's waveform: float32 samples in [-1, 1] at the model's rate; `final` on its last.
+    `error`: the answer failed (omni_voice.py; then final, empty, index -1)."""
 
     request_id: str
     index: int
     audio: torch.Tensor
     final: bool
+    error: str | None = None
 
 
 class _Answer:
@@ -119,7 +121,7 @@ class Code2Wav:
 
     Attributes:
         sample_rate: samples per second of the waveform (mel frames a second x hop).
-        batch_sizes: the DiT's batch size in every call so far.
+        batch_sizes: how many DiT calls ran each batch size so far (for the stage's metrics).
 
     Raises (constructor):
         FileNotFoundError: no spk_dict.pt. KeyError: the checkpoint lacks token2wav weights.
@@ -152,7 +154,7 @@ class Code2Wav:
         self.sample_rate = self.MEL_FRAMES_PER_SECOND * self.hop
         self.speakers = Speakers.load(folder)
         self.answers: dict[str, _Answer] = {}
-        self.batch_sizes: list[int] = []
+        self.batch_sizes: Counter[int] = Counter()
 
     def start(self, request_id: str, voice: str, seed: int) -> None:
         """Begin an answer spoken by `voice`, its noise drawn from `seed`.
@@ -234,7 +236,7 @@ class Code2Wav:
                     mels[index] = torch.zeros(0, self.bins)
                 continue
             group = [windows[index] for index in members]
-            self.batch_sizes.append(len(group))
+            self.batch_sizes[len(group)] += 1
             out = self._flow(group, length * self.repeats)
             for index, mel in zip(members, out):
                 mels[index] = mel

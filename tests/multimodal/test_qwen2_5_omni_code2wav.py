@@ -108,4 +108,4 @@ def test_past_max_batch_answers_take_turns(folder):
     while code2wav.has_work():
         order += [(c.request_id, c.index, c.final) for c in code2wav.step()]
     assert order == [("a", 0, False), ("b", 0, False), ("a", 1, True), ("b", 1, True)]
-    assert code2wav.batch_sizes == [1, 1, 1, 1]
+    assert code2wav.batch_sizes == {1: 4}

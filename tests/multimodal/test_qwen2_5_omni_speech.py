@@ -16,6 +16,7 @@ from omni_backend.stages.code2wav import Code2Wav, Code2WavSettings
 from omni_backend.stages.media_encoder import create_stage
 from omni_backend.stages.preprocess import Preprocessor
 from omni_backend.stages.preprocess_media import MediaConfig
+from omni_backend.stages.omni_voice import OmniVoice
 from omni_backend.stages.talker import (ReplyFeed, Speakers, TalkerInputs, TalkerRequest, TalkerSettings,
                                         engine_config, thinker_rows)
 from omni_backend.vocabulary import StageError
@@ -221,55 +222,67 @@ def test_greedy_talker_codec_ids_equal_transformers(folder, omni, ours):
     assert talker.runner.block_manager.num_free_blocks == talker.runner.num_blocks  # every block freed
 
 
-def give(talker: LLMEngine, request_id: str, params: SamplingParams, inputs: TalkerInputs,
-         request: TalkerRequest) -> None:
-    """Hand a `ReplyFeed` step to the talker engine."""
-    if request.prompt is not None:
-        ids, embeds, positions = request.prompt
-        talker.add_request(request_id, ids, params, embeds, positions, inputs.addends(request.rows))
-        if request.tail is not None:
-            talker.extend_inputs(request_id, None, request.tail)
-    elif request.rows is not None or request.tail is not None:
-        talker.extend_inputs(request_id, request.rows, request.tail)
-
-
 def test_a_spoken_answer_streams_through_three_engines_and_equals_transformers_generate(folder, omni, ours):
-    """Thinker, talker and code2wav stepped in turn, each stage's output handed on as it comes (`ReplyFeed`):
+    """Thinker, talker and code2wav stepped in turn (`OmniVoice`), each stage's output handed on as it comes:
     transformers' greedy reply and talker codes, `generate`'s waveform within WAVE_TOLERANCE of its peak (same
-    seed), and the first audio chunk out before the thinker's last token."""
+    seed), and the first audio chunk out before the thinker's last token; both engines' KV blocks freed."""
     processor, _ = transformers_reference(folder)
     case, voice = "image", "Ethan"
     reply, expected_codes, wav = transformers_speech(omni, transformers_inputs(processor, case), voice)
-    inputs = TalkerInputs(folder, Speakers.load(folder))
     thinker = make_engine(folder)
-    talker = LLMEngine(engine_config(folder, TalkerSettings(max_num_seqs=2), device="cpu", dtype="float32"))
-    code2wav = Code2Wav(folder, Code2WavSettings(chunk_blocks=1, future_blocks=0, num_steps=FLOW_STEPS))
+    speech = OmniVoice(folder, TalkerSettings(max_num_seqs=2, greedy=True, max_codec_tokens=CODEC_TOKENS),
+                       Code2WavSettings(chunk_blocks=1, future_blocks=0, num_steps=FLOW_STEPS), dtype="float32")
+    codes = []
+    real_add = speech.code2wav.add
+    speech.code2wav.add = lambda request_id, new, finished: (codes.extend(new), real_add(request_id, new, finished))
     out, spliced = prepare(ours, messages(case))
     request = engine_request(out, spliced)
     thinker.add_request("s", params=SamplingParams(max_tokens=REPLY, temperature=0.0, ignore_eos=True, stream=True,
                                                    return_hidden_states=True), **request)
     media = spliced.get("prompt_embed_positions")
-    feed = ReplyFeed(inputs, voice, len(request["prompt_token_ids"]), request["prompt_positions"].positions,
-                     torch.from_numpy(media.astype(np.int64)))
-    params = inputs.sampling(TalkerSettings(greedy=True, max_codec_tokens=CODEC_TOKENS))
-    code2wav.start("s", voice, SEED)
-    tokens, codes, chunks, step, thinker_done, first_audio = [], [], [], 0, None, None
+    speech.start("s", voice, SEED, len(request["prompt_token_ids"]), request["prompt_positions"].positions,
+                 torch.from_numpy(media.astype(np.int64)))
+    tokens, chunks, step, thinker_done, first_audio = [], [], 0, None, None
     while not chunks or not chunks[-1].final:
         step += 1
         for output in thinker.step():
             tokens += output.token_ids
-            give(talker, "s", params, inputs, feed.push(output.hidden_states, output.input_embeds, output.finished))
+            speech.push("s", output.hidden_states, output.input_embeds, output.finished)
             thinker_done = step if output.finished else None
-        for output in talker.step():
-            codes += output.token_ids
-            code2wav.add("s", output.token_ids, finished=output.finished)
-        chunks += code2wav.step()
+        chunks += speech.step()
         first_audio = first_audio or (step if chunks else None)
     assert tokens == reply and codes == expected_codes
     joined = torch.cat([chunk.audio for chunk in chunks])
-    assert joined.shape == wav.shape and len(chunks) > 2
+    assert joined.shape == wav.shape and len(chunks) > 2 and chunks[-1].error is None
     assert (joined - wav).abs().max() <= WAVE_TOLERANCE * wav.abs().max()
     assert first_audio < thinker_done
+    assert not speech.has_work() and speech.feeds == {}
+    assert speech.talker.runner.block_manager.num_free_blocks == speech.talker.runner.num_blocks
+
+
+def test_a_failed_talker_or_refused_codes_end_that_answer_alone(folder):
+    """Codes outside code2wav's vocabulary end their answer with an error chunk and free its talker blocks; the
+    other answer goes on to its final chunk."""
+    inputs = TalkerInputs(folder, Speakers.load(folder))
+    speech = OmniVoice(folder, TalkerSettings(max_num_seqs=2, greedy=True, max_codec_tokens=4),
+                       Code2WavSettings(chunk_blocks=1, num_steps=2), dtype="float32")
+    hidden = torch.randn(6, inputs.width)
+    for request_id in ("bad", "good"):
+        speech.start(request_id, "Chelsie", 0, 4)
+        speech.push(request_id, hidden, torch.zeros_like(hidden), finished=True)
+    real_add = speech.code2wav.add
+    speech.code2wav.add = lambda request_id, codes, finished: real_add(
+        request_id, [9000] if request_id == "bad" else codes, finished)
+    chunks = []
+    while speech.has_work():
+        chunks += speech.step()
+    bad = [c for c in chunks if c.request_id == "bad"]
+    assert len(bad) == 1 and bad[0].final and "code2wav refused" in bad[0].error and "[0, 8193]" in bad[0].error
+    good = [c for c in chunks if c.request_id == "good"]
+    assert good[-1].final and good[-1].error is None and sum(c.audio.numel() for c in good) == 4 * 2 * 240
+    assert speech.talker.runner.block_manager.num_free_blocks == speech.talker.runner.num_blocks
+    with pytest.raises(StageError, match="voice"):
+        speech.start("x", "Nobody", 0, 4)
 
 
 def test_the_reply_feed_hands_over_rows_as_they_come_and_a_one_token_reply(folder):
@@ -296,3 +309,22 @@ def test_the_reply_feed_hands_over_rows_as_they_come_and_a_one_token_reply(folde
         ReplyFeed(inputs, "Ethan", count).push(None, None, finished=True)
     with pytest.raises(StageError, match="Chelsie, Ethan"):
         ReplyFeed(inputs, "Nobody", count)
+
+
+def test_talker_sampling_is_transformers_generate_defaults(folder):
+    """What `Qwen2_5OmniForConditionalGeneration.generate` samples its talker with, read from its signature."""
+    import inspect
+
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(Qwen2_5OmniForConditionalGeneration.generate).parameters.items()}
+    inputs = TalkerInputs(folder, Speakers.load(folder))
+    params = inputs.sampling(TalkerSettings(max_codec_tokens=77), seed=3)
+    assert (params.top_k, params.top_p, params.temperature, params.repetition_penalty) == (
+        defaults["talker_top_k"], defaults["talker_top_p"], defaults["talker_temperature"],
+        defaults["talker_repetition_penalty"])
+    assert sorted(params.stop_token_ids) == sorted(defaults["talker_eos_token_id"])
+    assert params.suppress_token_ids == [inputs.codec_bos] and (params.max_tokens, params.seed) == (77, 3)
+    greedy = inputs.sampling(TalkerSettings(greedy=True))
+    assert greedy.temperature == 0 and greedy.repetition_penalty == params.repetition_penalty

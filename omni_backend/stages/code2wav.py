@@ -66,6 +66,25 @@ class Code2WavSettings(SettingGroup):
     PREFIX = "code2wav_"
 
 
+class _RepeatedInputMemo(torch.nn.Module):
+    """The DiT's speaker encoder (an ECAPA-TDNN over the reference mel, inside `DiTInputEmbedding`), answering an
+    input equal to its last one from memory: a flow calls it with the same reference mels at each of its DiT
+    evaluations, and on a CPU it cost two thirds of the flow."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if last is not None and last[0].shape == mel.shape and torch.equal(last[0], mel):
+            return last[1]
+        out = self.module(mel)
+        self._last = (mel, out)
+        return out
+
+
 @dataclass
 class Chunk:
     """A piece of an answer's waveform: float32 samples in [-1, 1] at the model's rate; `final` on its last.
@@ -138,6 +157,8 @@ class Code2Wav:
         model.checkpoint_prefixes = {name: (f"{CHECKPOINT_PREFIX}{name}.",)
                                      for name in ("code2wav_dit_model", "code2wav_bigvgan_model")}
         load_prefixed_weights(model, folder)
+        embed = model.code2wav_dit_model.input_embed
+        embed.spk_encoder = _RepeatedInputMemo(embed.spk_encoder)
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.settings = settings

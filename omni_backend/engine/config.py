@@ -56,6 +56,8 @@ class EngineConfig(SettingGroup):
                                "count as it is", low=0)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes already computed "
                                           "(engine/prefix_cache.py)")
+    talker: bool = setting(False, "run the checkpoint's talker (codec tokens out of a thinker's reply: Qwen2.5-Omni) "
+                           "instead of its language model; the talker stage's engine", operator=False)
     quantization: str = setting("none", "int8: weight-only int8 projections and output head, one float32 scale per "
                                 "output channel (CPU engines computing in float32; kernels/linear_cpu.py)",
                                 choices=QUANTIZATIONS)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeFn = Callable[..., torch.Tensor]
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -58,15 +58,19 @@ class DecodeGraphRunner:
 
     Args:
         decode_fn: (input_ids int64 [b], positions int64 [b], slot_mapping int64 [b], context_lens int32 [b],
-            block_tables int32 [b, max_blocks]) -> hidden [b, hidden_size]; must only read these tensors.
+            block_tables int32 [b, max_blocks], input_embeds [b, embed_width] or None) -> hidden [b, hidden_size];
+            must only read these tensors.
         max_num_seqs: largest bucket.
         max_blocks_per_seq: block-table columns.
         device: where the static buffers live.
         capture: graph capturer (TorchCudaGraphCapture on GPU; tests pass a stand-in that replays eagerly).
+        embed_width: for a model whose decode input is an embedding row per token (a talker: codec embedding plus
+            its thinker's row), the row width; the graphs then read a static `input_embeds` buffer [max_num_seqs,
+            embed_width] of that dtype (`embed_dtype`). None: they read the token ids only.
     """
 
     def __init__(self, decode_fn: DecodeFn, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 capture=None):
+                 capture=None, embed_width: int | None = None, embed_dtype: torch.dtype = torch.float32):
         self.decode_fn = decode_fn
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
         self.capture_impl = capture or TorchCudaGraphCapture()
@@ -76,6 +80,8 @@ class DecodeGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.input_embeds = (torch.zeros(n, embed_width, dtype=embed_dtype, device=device)
+                             if embed_width is not None else None)
         self.graphs: dict[int, CapturedGraph] = {}
         self.num_replays = 0
         self.num_padded_rows = 0
@@ -87,8 +93,9 @@ class DecodeGraphRunner:
 
     def _bound(self, size: int) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
+            embeds = self.input_embeds[:size] if self.input_embeds is not None else None
             return self.decode_fn(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                                  self.context_lens[:size], self.block_tables[:size])
+                                  self.context_lens[:size], self.block_tables[:size], embeds)
         return run
 
     def bucket(self, batch_size: int) -> int | None:
@@ -96,8 +103,10 @@ class DecodeGraphRunner:
         i = bisect.bisect_left(self.batch_sizes, batch_size)
         return self.batch_sizes[i] if i < len(self.batch_sizes) and self.graphs else None
 
-    def run(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor | None:
-        """Replay the bucket's graph for a live decode batch of b rows; returns hidden [b, H] or None.
+    def run(self, input_ids, positions, slot_mapping, context_lens, block_tables,
+            input_embeds=None) -> torch.Tensor | None:
+        """Replay the bucket's graph for a live decode batch of b rows (`input_embeds` [b, embed_width] when the
+        graphs read embeddings); returns hidden [b, H] or None.
 
         None means no bucket fits (b > max_num_seqs or nothing captured): the caller runs eagerly.
         """
@@ -110,6 +119,8 @@ class DecodeGraphRunner:
         self.slot_mapping[:b].copy_(slot_mapping)
         self.context_lens[:b].copy_(context_lens)
         self.block_tables[:b].copy_(block_tables)
+        if self.input_embeds is not None:
+            self.input_embeds[:b].copy_(input_embeds)
         if size > b:
             self.input_ids[b:size].zero_()
             self.positions[b:size].zero_()

@@ -17,7 +17,7 @@ from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.model_runner import ModelRunner
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.scheduler import Scheduler
-from omni_backend.engine.sequence import PromptEmbeds, PromptPositions, Sequence
+from omni_backend.engine.sequence import InputAddends, PromptEmbeds, PromptPositions, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,10 @@ class RequestOutput:
 
 
 class _RequestState:
-    """Engine-side bookkeeping next to a Sequence: detokenizer and not-yet-emitted tokens."""
+    """Engine-side bookkeeping next to a Sequence: detokenizer (None for a talker: its tokens are no text) and
+    not-yet-emitted tokens."""
 
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer):
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None):
         self.seq = seq
         self.detokenizer = detokenizer
         self.pending_ids: list[int] = []
@@ -107,15 +108,23 @@ class _RequestState:
 class LLMEngine:
     """Continuous-batching LLM engine over a paged KV cache. Not thread-safe: one thread drives `step`.
 
+    A talker engine (`config.talker`) emits token ids without text and stops only at its requests'
+    `stop_token_ids` (the folder's tokenizer and end-of-text ids are its thinker's).
+
+    Attributes:
+        stalled: the last step found nothing to run although requests are held (each waits for an input row:
+            `Sequence.inputs_ready`); the engine loop then sleeps until a message comes.
+
     Raises (constructor): what ModelRunner raises.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config)  # first: it names an unsupported architecture
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tokenizer = None if config.talker else AutoTokenizer.from_pretrained(config.model_path)
         self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_token_ids = self._eos_token_ids(config.model_path)
+        self.eos_token_ids = set() if config.talker else self._eos_token_ids(config.model_path)
+        self.stalled = False
         self.requests: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.num_oom_recoveries = 0  # steps retried after a device out-of-memory error
@@ -145,7 +154,8 @@ class LLMEngine:
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       prompt_embeds: PromptEmbeds | None = None,
-                      prompt_positions: PromptPositions | None = None) -> Sequence:
+                      prompt_positions: PromptPositions | None = None,
+                      input_addends: InputAddends | None = None) -> Sequence:
         """A request checked against this engine, as the Sequence `add_sequence` queues. It reads only what never
         changes after construction, so another thread than the engine loop's may call it (the llm stage does, to
         refuse a request before it is queued).
@@ -153,7 +163,8 @@ class LLMEngine:
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, prompt embeddings of the wrong shape
                 or at positions outside the prompt, M-RoPE position ids for a model without M-RoPE or of the wrong
-                shape or range (`PromptPositions.check`), or more tokens than the whole KV cache holds.
+                shape or range (`PromptPositions.check`), input addends of another width than the model's input
+                embeddings, or more tokens than the whole KV cache holds.
             ContextLengthExceeded: prompt + max_tokens over max_model_len.
         """
         num_prompt_tokens = len(prompt_token_ids)
@@ -172,11 +183,15 @@ class LLMEngine:
                 raise ValueError(f"prompt_positions are M-RoPE ids; {self.runner.language_model.name} takes a "
                                  f"token's index as its position")
             prompt_positions.check(num_prompt_tokens, params.max_tokens, model.max_positions)
+        if input_addends is not None and input_addends.width != self.hidden_size:
+            raise ValueError(f"input addends must be {self.hidden_size} wide (the model's input embeddings), got "
+                             f"{input_addends.width}")
         total = num_prompt_tokens + params.max_tokens
         cache_tokens = self.runner.num_blocks * self.config.block_size
         if total > cache_tokens:
             raise ValueError(f"request needs {total} tokens of KV cache, the whole cache holds {cache_tokens}")
-        return Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds, prompt_positions)
+        return Sequence(request_id, prompt_token_ids, params, time.monotonic(), prompt_embeds, prompt_positions,
+                        input_addends)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a request made by `make_sequence`.
@@ -187,19 +202,41 @@ class LLMEngine:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id}")
         self.scheduler.add(seq)
-        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop)
+        detok = None if self.tokenizer is None else \
+            IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop)
         self.requests[seq.request_id] = _RequestState(seq, detok)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt_embeds: PromptEmbeds | None = None,
-                    prompt_positions: PromptPositions | None = None) -> None:
+                    prompt_positions: PromptPositions | None = None,
+                    input_addends: InputAddends | None = None) -> None:
         """`add_sequence(make_sequence(...))`: queue a request; `prompt_embeds` replaces the token embeddings at
-        given prompt positions; `prompt_positions` are the prompt's M-RoPE ids (models that read them).
+        given prompt positions; `prompt_positions` are the prompt's M-RoPE ids (models that read them);
+        `input_addends` are added to its generated tokens' embeddings (a talker's).
 
         Raises:
             what `make_sequence` and `add_sequence` raise.
         """
-        self.add_sequence(self.make_sequence(request_id, prompt_token_ids, params, prompt_embeds, prompt_positions))
+        self.add_sequence(self.make_sequence(request_id, prompt_token_ids, params, prompt_embeds, prompt_positions,
+                                             input_addends))
+
+    def extend_inputs(self, request_id: str, rows: torch.Tensor | None, tail: torch.Tensor | None = None) -> None:
+        """Give a held request more input addend rows [k, width] and, with `tail`, its last ones
+        (`InputAddends.extend` / `finish`); nothing for a request no longer held (it ended).
+
+        Raises:
+            ValueError: a request without input addends, or rows `InputAddends` refuses.
+        """
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        addends = state.seq.input_addends
+        if addends is None:
+            raise ValueError(f"request {request_id} takes no input addends")
+        if rows is not None and rows.shape[0]:
+            addends.extend(rows)
+        if tail is not None:
+            addends.finish(tail)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output, None if unknown."""
@@ -223,6 +260,7 @@ class LLMEngine:
             torch.OutOfMemoryError: a one-token step still runs out of memory.
         """
         batch = self.scheduler.schedule()
+        self.stalled = batch.empty and bool(self.requests)
         if batch.empty:
             return []
         self.num_steps += 1
@@ -275,7 +313,7 @@ class LLMEngine:
         state.pending_ids.append(token)
         if logprob is not None:
             state.pending_logprobs.append(TokenLogprob(token, logprob[0], logprob[1]))
-        if state.detokenizer.add_token(token):
+        if state.detokenizer is not None and state.detokenizer.add_token(token):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
@@ -283,13 +321,13 @@ class LLMEngine:
 
     def _emit(self, state: _RequestState, final: bool) -> RequestOutput | None:
         seq = state.seq
-        delta = state.detokenizer.release(final)
+        delta = state.detokenizer.release(final) if state.detokenizer is not None else ""
         if not seq.params.stream:
             state.text += delta
             if not final:
                 return None
             delta = state.text
-        elif not final and not delta and not seq.hidden_rows:
+        elif not final and not delta and not seq.hidden_rows and state.detokenizer is not None:
             return None  # hold ids until they produce visible text (incomplete UTF-8 or possible stop string)
         hidden, embeds = take_hidden_rows(seq)
         output = RequestOutput(seq.request_id, delta, state.pending_ids, seq.finish_reason if final else None,

@@ -89,6 +89,8 @@ class ModelRunner:
                 torch.set_num_threads(config.cpu_threads)
             logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
         self.architecture = checkpoints.architecture(config.model_path)  # before transformers reads the config
+        if config.talker:
+            self.architecture = registry.talker(self.architecture)
         checkpoint_config = AutoConfig.from_pretrained(config.model_path)
         self.language_model = registry.language_model(self.architecture,
                                                       checkpoint_config.get_text_config().model_type)
@@ -297,8 +299,10 @@ class ModelRunner:
     def _capture(self, profile: GpuMemoryProfile | None) -> None:
         device = self.device.torch_device
         before = torch.cuda.memory_reserved(device)
+        width = self.model.embed_tokens.weight.shape[1] if self.model.decodes_from_embeds else None
         self.graph_runner = DecodeGraphRunner(self._decode_forward, self.config.max_num_seqs,
-                                              self.config.max_blocks_per_seq, device)
+                                              self.config.max_blocks_per_seq, device, embed_width=width,
+                                              embed_dtype=self.dtype)
         with torch.inference_mode():
             self.graph_runner.capture_all()
         grown = self.graph_pool_bytes = torch.cuda.memory_reserved(device) - before
@@ -323,18 +327,36 @@ class ModelRunner:
                                                            capacity, self.device.torch_device)
         return self._plans[size]
 
-    def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
+    def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables,
+                        input_embeds=None) -> torch.Tensor:
         """A decode-only forward pass over these [b] inputs (what the CUDA graphs capture per batch size)."""
         splits, workspace = self._decode_plan(input_ids.shape[0])
         meta = AttentionMetadata(slot_mapping, 0, None, None, None, context_lens, block_tables, splits, workspace)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, input_embeds=input_embeds)
+
+    def _input_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's input embeddings where its token ids alone do not give them: prompt embeddings spliced in,
+        input addends added (`StepInputs`); None otherwise."""
+        if inputs.embed_rows is None and inputs.addend_rows is None:
+            return None
+        device = self.device.torch_device
+        embeds = self.model.embed_tokens(inputs.input_ids)
+        if inputs.embed_rows is not None:
+            embeds[inputs.embed_rows.to(device)] = inputs.embed_values.to(device=device, dtype=embeds.dtype)
+        if inputs.addend_rows is not None:
+            rows = inputs.addend_rows.to(device)
+            embeds[rows] = embeds[rows] + inputs.addend_values.to(device=device, dtype=embeds.dtype)
+        return embeds
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, hidden] of the step (decode-only steps replay a CUDA graph where one fits)."""
         tables = self.block_table_pool.tables.index_select(0, inputs.pool_rows)
+        embeds = self._input_embeds(inputs)
         if inputs.is_decode_only and self.graph_runner is not None:
+            if embeds is None and self.graph_runner.input_embeds is not None:
+                embeds = self.model.embed_tokens(inputs.input_ids)
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                                           inputs.context_lens, tables)
+                                           inputs.context_lens, tables, embeds)
             if hidden is not None:
                 return hidden
         self.num_eager_steps += 1
@@ -347,11 +369,6 @@ class ModelRunner:
             prefill_context_lens=ctx[:p] if p else None, prefill_block_tables=tables[:p] if p else None,
             decode_context_lens=ctx[p:] if decodes else None, decode_block_tables=tables[p:] if decodes else None,
             decode_num_splits=splits, decode_workspace=workspace)
-        embeds = None
-        if inputs.embed_rows is not None:
-            device = self.device.torch_device
-            embeds = self.model.embed_tokens(inputs.input_ids)
-            embeds[inputs.embed_rows.to(device)] = inputs.embed_values.to(device=device, dtype=embeds.dtype)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, input_embeds=embeds)
 
     @torch.inference_mode()

@@ -57,6 +57,9 @@ Measured without a model (tests/engine/test_scheduler_policy.py), the long-promp
 (the FIFO scheduler before this one: 325, one sequence 59 times); 20-token requests sent during it get their first
 token 1 step after arriving (median), 18 at most (before: 365 to 509 steps).
 
+A sequence with input addends (`sequence.InputAddends`: a talker's rows from its thinker) whose next row has not
+come yet is neither decoded nor admitted; it keeps its blocks and the others run (it only waits for its producer).
+
 Admission does not reserve blocks for tokens not generated yet (a request's max_tokens is an upper bound, often
 the rest of the context for chat): a burst of long generations can still admit one sequence more than fits at
 full length, which is then preempted once. TensorRT-LLM's GUARANTEED_NO_EVICT policy reserves prompt + max
@@ -217,6 +220,8 @@ class Scheduler:
             index += 1
             if not _is_decoding(seq):
                 prefills.append(seq)  # its blocks were allocated at admission
+            elif not seq.inputs_ready():
+                continue  # its next input row has not come: it keeps its blocks and waits, the others go on
             elif len(decodes) < budget and self._grow(seq):
                 decodes.append(seq)
         budget -= len(decodes)
@@ -244,6 +249,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) >= self.num_seqs_limit:
                 return
+            if not seq.inputs_ready():  # a preempted sequence whose last token's input row has not come
+                continue
             cached = self.block_manager.cached_prefix(seq)
             if not self._fits(seq, cached):
                 if head is None:

@@ -83,6 +83,67 @@ class PromptPositions:
         return torch.cat([prompt, after.expand(3, -1)], dim=1)
 
 
+class InputAddends:
+    """Rows added to the input embeddings of a sequence's generated tokens, arriving while it runs (Qwen2.5-Omni's
+    talker adds a row of its thinker's reply to each codec token's embedding: models/qwen2_5_omni.py).
+
+    Row j is added to the j-th generated token when it is fed back (the token at index num_prompt_tokens + j). Rows
+    come in order (`extend`); `finish(tail)` says no more will: after the given rows come the `tail` rows, the last
+    of them for every token after that. A sequence whose next row has not come yet waits (`ready`) without holding
+    back the others. Only the engine loop's thread touches it once the sequence is queued.
+
+    Args:
+        width: the row width (the model's input embedding width).
+    """
+
+    def __init__(self, width: int):
+        self.width = width
+        self._rows = torch.empty(0, width)
+        self.count = 0  # rows given so far
+        self._tail: torch.Tensor | None = None  # set by finish
+
+    def extend(self, rows: torch.Tensor) -> None:
+        """Append rows [k, width] (any float dtype; kept as float32).
+
+        Raises:
+            ValueError: rows of another width, or rows after `finish`.
+        """
+        if rows.dim() != 2 or rows.shape[1] != self.width:
+            raise ValueError(f"input addends must be [k, {self.width}], got {list(rows.shape)}")
+        if self._tail is not None:
+            raise ValueError("input addends were finished; no more rows can follow")
+        needed = self.count + rows.shape[0]
+        if needed > self._rows.shape[0]:  # capacity doubles: appending n rows copies O(n) in all
+            grown = torch.empty(max(needed, 2 * self._rows.shape[0], 16), self.width)
+            grown[:self.count] = self._rows[:self.count]
+            self._rows = grown
+        self._rows[self.count:needed] = rows.float()
+        self.count = needed
+
+    def finish(self, tail: torch.Tensor) -> None:
+        """No more rows: `tail` [m >= 1, width] follow them, its last row repeated for ever.
+
+        Raises:
+            ValueError: a tail of another width or without rows.
+        """
+        if tail.dim() != 2 or tail.shape[1] != self.width or tail.shape[0] < 1:
+            raise ValueError(f"the tail of input addends must be [m >= 1, {self.width}], got {list(tail.shape)}")
+        self._tail = tail.float()
+
+    def ready(self, index: int) -> bool:
+        """Whether row `index` is known (given, or the rows are finished)."""
+        return index < self.count or self._tail is not None
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) as [end - start, width] float32; every one must be `ready`."""
+        given = self._rows[start:min(end, self.count)]
+        if end <= self.count:
+            return given
+        last = self._tail.shape[0] - 1
+        after = torch.arange(max(start, self.count), end) - self.count
+        return torch.cat([given, self._tail[after.clamp(max=last)]])
+
+
 class Sequence:
     """A request inside the engine.
 
@@ -93,6 +154,7 @@ class Sequence:
     Attributes:
         block_table: KV-cache block ids, host copy (the device copy is a row of the block-table pool).
         prompt_positions: the prompt's M-RoPE position ids, or None where every token's position is its index.
+        input_addends: rows added to its generated tokens' input embeddings (`InputAddends`), or None.
         block_hashes: names of the sequence's full blocks computed so far (prefix_cache.py), a memo.
         num_registered_blocks: leading blocks of `block_table` already offered to the prefix cache.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache when the sequence was first admitted
@@ -108,9 +170,11 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
-                 prompt_embeds: "PromptEmbeds | None" = None, prompt_positions: PromptPositions | None = None):
+                 prompt_embeds: "PromptEmbeds | None" = None, prompt_positions: PromptPositions | None = None,
+                 input_addends: InputAddends | None = None):
         self.prompt_embeds = prompt_embeds
         self.prompt_positions = prompt_positions
+        self.input_addends = input_addends
         self.request_id = request_id
         self.params = params
         self.arrival = arrival
@@ -147,6 +211,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def inputs_ready(self) -> bool:
+        """Whether everything its next step feeds is known: the input addend of its last token, if it has addends
+        and that token is a generated one."""
+        addends = self.input_addends
+        return addends is None or self.num_output_tokens == 0 or addends.ready(self.num_output_tokens - 1)
 
     def position_ids(self, start: int, end: int) -> range | None:
         """The 1-D position ids of token indices [start, end), or None where they are M-RoPE rows that differ

@@ -34,6 +34,8 @@ class StepInputs:
         sampled: the N sequences that sample a token this step (their last token is computed), in order.
         embed_rows, embed_values: prompt-embedding replacements (token index int64 [k], [k, hidden] float) or
             None; kept on the host until used (only prefill chunks of multimodal prompts have them).
+        addend_rows, addend_values: rows added to generated tokens' embeddings (token index int64 [a], [a, hidden]
+            float32; `Sequence.input_addends`) or None; on the host until used.
     """
 
     input_ids: torch.Tensor
@@ -48,6 +50,8 @@ class StepInputs:
     sampled: list[Sequence]
     embed_rows: torch.Tensor | None
     embed_values: torch.Tensor | None
+    addend_rows: torch.Tensor | None = None
+    addend_values: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -76,6 +80,8 @@ def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: Ho
     sampled: list[Sequence] = []
     embed_rows: list[torch.Tensor] = []
     embed_values: list[torch.Tensor] = []
+    addend_rows: list[torch.Tensor] = []
+    addend_values: list[torch.Tensor] = []
     mrope_rows: list[tuple[int, torch.Tensor]] = []  # (first token index in the step, [3, count] ids)
     block_size, num_prefills = block_manager.block_size, batch.num_prefills
     for seq, count in zip(batch.seqs, batch.num_tokens):
@@ -85,6 +91,11 @@ def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: Ho
             offsets, values = seq.prompt_embeds.in_range(start, end)
             embed_rows.append(offsets + len(token_ids))
             embed_values.append(values)
+        generated = max(start, seq.num_prompt_tokens)
+        if seq.input_addends is not None and end > generated:
+            addend_rows.append(torch.arange(generated - start, end - start) + len(token_ids))
+            addend_values.append(seq.input_addends.rows(generated - seq.num_prompt_tokens,
+                                                        end - seq.num_prompt_tokens))
         ids = seq.position_ids(start, end)
         if ids is None:
             mrope_rows.append((len(token_ids), seq.prompt_positions.rows(start, end)))
@@ -117,4 +128,6 @@ def prepare_step(batch: ScheduledBatch, block_manager: BlockManager, staging: Ho
         sampled=sampled,
         embed_rows=torch.cat(embed_rows) if embed_rows else None,
         embed_values=torch.cat(embed_values) if embed_values else None,
+        addend_rows=torch.cat(addend_rows) if addend_rows else None,
+        addend_values=torch.cat(addend_values) if addend_values else None,
     )

@@ -153,6 +153,7 @@ def _qwen2_audio(tokenizer):
 
 
 def _qwen2_5_omni(tokenizer):
+    import torch
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration, Qwen2VLImageProcessorPil
     from transformers import WhisperFeatureExtractor
 
@@ -194,7 +195,16 @@ def _qwen2_5_omni(tokenizer):
     images = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=32 * 28 * 28)
     processor = OmniProcessor(images, WhisperFeatureExtractor(feature_size=128), tokenizer,
                               chat_template=_QWEN2_5_OMNI_TEMPLATE)
-    return Qwen2_5OmniForConditionalGeneration(config), processor
+    model = Qwen2_5OmniForConditionalGeneration(config)
+    # A trained talker never emits the codec vocabulary's marks between answers' codes (code2wav embeds only codes
+    # below its num_embeds + 1); here their logits are 0, below the best of 8,194 random ones, so the tiny talker
+    # emits codes and its two stop ids only.
+    marks = torch.ones(config.talker_config.vocab_size, dtype=torch.bool)
+    marks[:config.token2wav_config.dit_config.num_embeds + 1] = False
+    marks[[config.talker_config.tts_codec_pad_token_id, config.talker_config.tts_codec_end_token_id]] = False
+    with torch.no_grad():
+        model.talker.codec_head.weight[marks] = 0
+    return model, processor
 
 
 def _finish_qwen2_5_omni(folder: Path, tokenizer) -> None:

@@ -29,7 +29,8 @@ def test_capture_sizes():
 def test_batches_are_padded_to_the_next_bucket_and_padding_is_inert():
     seen = []
 
-    def decode_fn(ids, positions, slots, context_lens, block_tables):
+    def decode_fn(ids, positions, slots, context_lens, block_tables, embeds):
+        assert embeds is None  # these graphs read token ids
         seen.append((ids.clone(), slots.clone(), context_lens.clone()))
         # a per-row function of every input, so padding or stale rows would show up in the output
         return (ids * 1000 + positions * 10 + context_lens + block_tables[:, 0]).float().unsqueeze(1)
@@ -67,3 +68,17 @@ def test_batches_above_the_largest_bucket_run_eagerly():
     five = torch.zeros(5, dtype=torch.int64)
     assert runner.run(five, five, five, five.int(), torch.zeros(5, 2, dtype=torch.int32)) is None
     assert runner.num_replays == 0
+
+
+def test_graphs_of_a_model_decoding_from_embeddings_read_the_rows_given():
+    def decode_fn(ids, positions, slots, context_lens, block_tables, embeds):
+        return embeds.sum(dim=1, keepdim=True) + ids.unsqueeze(1)
+
+    runner = DecodeGraphRunner(decode_fn, max_num_seqs=4, max_blocks_per_seq=2, device=torch.device("cpu"),
+                               capture=EagerCapture(), embed_width=3)
+    runner.capture_all()
+    ids = torch.tensor([1, 2, 3])
+    embeds = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [0.0, 0.0, -1.0]])
+    out = runner.run(ids, ids, ids, ids.int(), torch.zeros(3, 2, dtype=torch.int32), embeds)
+    assert out[:, 0].tolist() == [7.0, 3.5, 2.0]
+    assert runner.input_embeds.shape == (4, 3)

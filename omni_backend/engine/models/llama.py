@@ -80,10 +80,14 @@ class LlamaForCausalLM(nn.Module):
     Attributes:
         position_rows: rows of a prompt's position ids the model reads: 1 (a token index), or 3 for M-RoPE models
             (models/qwen2_5_omni.py), whose prompts may bring (t, h, w) positions.
+        decodes_from_embeds: whether its decode steps feed an embedding row per token (a talker: codec embedding
+            plus its thinker's row), so its CUDA graphs read embeddings rather than token ids.
         max_positions: rows of the RoPE tables, the largest position id + 1 the model can rotate.
     """
 
     position_rows = 1
+    decodes_from_embeds = False  # True: a decode step's input is an embedding row per token (the talker's)
+    head_weight = "lm_head.weight"  # the checkpoint name of an untied output head (after `prefixes` are removed)
 
     @staticmethod
     def language_model_config(hf_config, multimodal: bool):
@@ -171,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 
+    def extra_weights(self) -> dict[str, torch.Tensor]:
+        """Parameters beyond the Llama decoder's that `load_weights` fills, by checkpoint name (none here)."""
+        return {}
+
     def load_weights(self, model_path: str, prefixes: tuple[str, ...]) -> None:
         """Load HF safetensors weights into the parameters (already on their device, in their final dtype),
         fusing q/k/v and gate/up projections. Tensors are read one at a time from the memory-mapped files, so
@@ -202,8 +210,10 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_tokens.weight.copy_(take("embed_tokens.weight"))
                 self.norm.weight.copy_(take("norm.weight"))
                 if self.lm_head is not None:
-                    self.lm_head.weight.copy_(take("lm_head.weight" if "lm_head.weight" in where
+                    self.lm_head.weight.copy_(take(self.head_weight if self.head_weight in where
                                                    else "embed_tokens.weight"))
+                for name, parameter in self.extra_weights().items():
+                    parameter.copy_(take(name))
                 for i, layer in enumerate(self.layers):
                     p = f"layers.{i}."
                     layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))

@@ -59,3 +59,39 @@ class Qwen2_5OmniThinkerForCausalLM(Qwen2ForCausalLM):
         cos = self.cos_cache[positions].gather(0, index).squeeze(0)
         sin = self.sin_cache[positions].gather(0, index).squeeze(0)
         return cos.to(dtype), sin.to(dtype)
+
+
+class Qwen2_5OmniTalkerForCausalLM(Qwen2_5OmniThinkerForCausalLM):
+    """Qwen2.5-Omni's talker (transformers' `Qwen2_5OmniTalkerForConditionalGeneration`): codec tokens out of the
+    thinker's reply. A Qwen2 decoder with M-RoPE like the thinker's, over its own narrower width, behind a projection:
+    its input rows are as wide as the thinker's hidden states (`embedding_size`), a codec token's embedding plus a
+    row of the thinker's (`sequence.InputAddends`), and `thinker_to_talker_proj` (with bias) maps them to the
+    decoder's width; `codec_head` gives the logits over the codec vocabulary.
+
+    `LlamaForCausalLM`'s interface: `embed_tokens` is the codec embedding [vocab, embedding_size], so a prompt
+    embedding row (`PromptEmbeds`) is thinker-wide, and `forward` projects whatever rows it is given.
+    """
+
+    head_weight = "codec_head.weight"
+    decodes_from_embeds = True
+
+    @staticmethod
+    def language_model_config(hf_config, multimodal: bool):
+        """The talker's config (an untied codec head)."""
+        config = hf_config.talker_config
+        config.tie_word_embeddings = False
+        return config
+
+    def __init__(self, config, attention: AttentionBackend, max_positions: int):
+        super().__init__(config, attention, max_positions)
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.embedding_size)
+        self.thinker_to_talker_proj = torch.nn.Linear(config.embedding_size, config.hidden_size)
+
+    def extra_weights(self) -> dict[str, torch.Tensor]:
+        return {"thinker_to_talker_proj.weight": self.thinker_to_talker_proj.weight,
+                "thinker_to_talker_proj.bias": self.thinker_to_talker_proj.bias}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                meta, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        return super().forward(input_ids, positions, kv_caches, meta, self.thinker_to_talker_proj(rows))

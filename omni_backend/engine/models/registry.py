@@ -51,6 +51,9 @@ class Architecture:
             dotted key names it inside a sub-config). A "video" kind is read by the "image" kind's encoder.
         processor: "module:Class" of the prompt processor preprocess renders its chats with (a
             `stages.hf_prompt.ProcessorPrompt`); None for a text-only architecture (the tokenizer's chat template).
+        talker_architecture: the row of the model that speaks the language model's answers (Qwen2.5-Omni's talker: its engine
+            model and where the checkpoint keeps it), run by a second engine (`EngineConfig.talker`); None: the
+            architecture has none.
     """
 
     name: str
@@ -61,6 +64,7 @@ class Architecture:
     encoders: Mapping[str, str] = field(default_factory=dict)
     placeholders: Mapping[str, str] = field(default_factory=dict)
     processor: str | None = None
+    talker_architecture: Architecture | None = None
 
     @property
     def multimodal(self) -> bool:
@@ -84,7 +88,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  placeholders={"image": "image_token_index"}, processor=f"{_STAGES}.llava:LlavaPrompt"),
     Architecture("Qwen2AudioForConditionalGeneration", encoders={"audio": f"{_STAGES}.qwen2_audio:Qwen2AudioEncoder"},
                  placeholders={"audio": "audio_token_index"}, processor=f"{_STAGES}.qwen2_audio:Qwen2AudioPrompt"),
-    # Its thinker: the talker and code2wav (speech out) are not served here.
+    # Its thinker; its talker, run by a second engine (speech out: stages/talker.py, then stages/code2wav.py).
     Architecture("Qwen2_5OmniForConditionalGeneration",
                  model=f"{_ENGINE}.qwen2_5_omni:Qwen2_5OmniThinkerForCausalLM",
                  weight_prefixes=("thinker.model.language_model.", "thinker.model.", "thinker."),
@@ -93,7 +97,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  placeholders={"image": "thinker_config.image_token_index",
                                "audio": "thinker_config.audio_token_index",
                                "video": "thinker_config.video_token_index"},
-                 processor=f"{_STAGES}.qwen2_5_omni:Qwen2_5OmniPrompt"),
+                 processor=f"{_STAGES}.qwen2_5_omni:Qwen2_5OmniPrompt",
+                 talker_architecture=Architecture(
+                     "Qwen2_5OmniTalker", model=f"{_ENGINE}.qwen2_5_omni:Qwen2_5OmniTalkerForCausalLM",
+                     weight_prefixes=("talker.model.", "talker."))),
 )}
 
 
@@ -106,6 +113,18 @@ def lookup(name: str) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {name}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def talker(architecture: Architecture) -> Architecture:
+    """The row of `architecture`'s talker.
+
+    Raises:
+        ValueError: the architecture has no talker.
+    """
+    if architecture.talker_architecture is None:
+        raise ValueError(f"{architecture.name} has no talker (speech out of the language model's answers); "
+                         f"architectures with one: {', '.join(a.name for a in ARCHITECTURES.values() if a.talker_architecture)}")
+    return architecture.talker_architecture
 
 
 def language_model(architecture: Architecture, text_model_type: str) -> Architecture:

@@ -19,7 +19,7 @@ import time
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.ops.governor import Governor
 from omni_backend.stages.llm.loop import BackgroundLoop, drained
-from omni_backend.stages.llm.messages import AbortRequest, AddRequest, InboxMessage, ResetPrefixCache
+from omni_backend.stages.llm.messages import AbortRequest, AddRequest, ExtendInputs, InboxMessage, ResetPrefixCache
 from omni_backend.vocabulary import ErrorKind, StageError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class EngineCore(BackgroundLoop):
         self._fail_all(StageError(ErrorKind.INTERNAL, "engine loop failed (see server log)"))
 
     def run_once(self) -> None:
-        """One iteration: governor, inbox, one engine step (or a wait of up to IDLE_WAIT_S when idle).
+        """One iteration: governor, inbox, one engine step (or a wait of up to IDLE_WAIT_S when idle, or when every
+        request held waits for input rows: `LLMEngine.stalled`; a message ends the wait).
 
         The loop thread calls it; tests call it directly on a core that was not started.
         """
@@ -76,10 +77,13 @@ class EngineCore(BackgroundLoop):
             if limit != engine.scheduler.num_seqs_limit:
                 engine.scheduler.set_num_seqs_limit(limit)
         self.drain_inbox()
-        if not engine.has_unfinished():
+        if not engine.has_unfinished() or engine.stalled:
             self._wakeup.wait(timeout=IDLE_WAIT_S)
             self._wakeup.clear()
-            return
+            engine.stalled = False  # the next step sees whether the messages that came let a request go on
+            if not engine.has_unfinished():
+                return
+            self.drain_inbox()
         try:
             outputs = engine.step()
         except Exception:  # a fault in one step must not take the stage down
@@ -104,6 +108,12 @@ class EngineCore(BackgroundLoop):
                 output = self.engine.abort(message.request_id)
                 if output is not None:
                     self.outbox.put((message.request_id, output))
+            elif isinstance(message, ExtendInputs):
+                try:
+                    self.engine.extend_inputs(message.request_id, message.rows, message.tail)
+                except ValueError as exc:  # this request's rows are wrong: it ends, the others go on
+                    self.engine.abort(message.request_id)
+                    self.outbox.put((message.request_id, StageError.of(exc, "llm")))
             elif isinstance(message, ResetPrefixCache):
                 message.done.set_result(self.engine.runner.block_manager.reset_prefix_cache())
             else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 
+import torch
+
 from omni_backend.engine.sequence import Sequence
 
 
@@ -24,10 +26,20 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class ExtendInputs:
+    """More input addend rows [k, width] for a held request (a talker's next rows from its thinker), and with
+    `tail` its last ones (`LLMEngine.extend_inputs`)."""
+
+    request_id: str
+    rows: torch.Tensor | None
+    tail: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ResetPrefixCache:
     """Forget every cached prefix before the next step; `done` gets the number of cached blocks dropped."""
 
     done: concurrent.futures.Future
 
 
-InboxMessage = AddRequest | AbortRequest | ResetPrefixCache
+InboxMessage = AddRequest | AbortRequest | ExtendInputs | ResetPrefixCache

@@ -8,14 +8,17 @@ folder that tritonserver loads with `--model-repository`.
 Every setting is declared once, where it is used (omni_backend/settings.py): the engine's in
 `engine.config.EngineConfig`, the llm stage's in `stages.llm.parameters` (with the governor's, `governor_<field>`),
 preprocess's in `stages.preprocess.PreprocessSettings`, the encoders' in `stages.media_encoder.EncoderSettings`
-(`encoder_<field>`) and the diffusion stage's in `stages.diffusion.DiffusionSettings` (`diffusion_<field>`). `Settings` is made from those declarations
-(`SETTING_GROUPS`), the llm model's whole `parameters` block is rendered from them (`${llm_parameters}`), and the
-table in docs/operations.md is `settings_table()` (`python -m omni_backend.repository --table` prints it).
+(`encoder_<field>`), the diffusion stage's in `stages.diffusion.DiffusionSettings` (`diffusion_<field>`) and the voice
+stage's in `stages.talker.TalkerSettings` (`talker_<field>`) and `stages.code2wav.Code2WavSettings`
+(`code2wav_<field>`). `Settings` is made from those declarations (`SETTING_GROUPS`), the llm model's whole
+`parameters` block is rendered from them (`${llm_parameters}`), and the table in docs/operations.md is
+`settings_table()` (`python -m omni_backend.repository --table` prints it).
 
 Derived placeholders: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
-KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU), and
-`llm_parameters`. The GPU shares (ops/gpu_budget.py) sum to 0.91 by default, leaving the rest for every process's
-CUDA context and Triton's memory pools.
+KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU),
+`llm_parameters`, and `voice_model` ("voice" when the llm's checkpoint has a talker, stages/voice.py). The GPU shares
+(ops/gpu_budget.py) sum to 0.91 by default, leaving the rest for every process's CUDA context and Triton's memory
+pools; a checkpoint with a talker adds `talker_gpu_memory_utilization` and code2wav's model.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from omni_backend.stages.diffusion import DiffusionSettings
 from omni_backend.stages.llm.parameters import SETTING_GROUPS as LLM_SETTING_GROUPS
 from omni_backend.stages.media_encoder import EncoderSettings
 from omni_backend.stages.preprocess import PreprocessSettings
+from omni_backend.stages.code2wav import Code2WavSettings
+from omni_backend.stages.talker import TalkerSettings
+from omni_backend.stages.voice import has_talker
 
 
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -41,7 +47,8 @@ _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (
     *LLM_SETTING_GROUPS, (PreprocessSettings, ""), (EncoderSettings, EncoderSettings.PREFIX),
-    (DiffusionSettings, DiffusionSettings.PREFIX))
+    (DiffusionSettings, DiffusionSettings.PREFIX), (TalkerSettings, TalkerSettings.PREFIX),
+    (Code2WavSettings, Code2WavSettings.PREFIX))
 """Every operator setting the repository renders: (declaring class, name prefix)."""
 
 
@@ -115,10 +122,12 @@ class Settings:
 
     def as_strings(self) -> dict[str, str]:
         """Placeholder name -> text substituted into templates (`settings.to_text`), with the derived
-        `llm_instance_group` and `llm_parameters`."""
+        `llm_instance_group`, `llm_parameters` and `voice_model` (the voice stage's name when the served checkpoint
+        has a talker, else "": its spoken answers then come from the tts stage)."""
         values = {name: to_text(value) for name, value in vars(self).items()}
         values["llm_instance_group"] = llm_instance_group(self.device)
         values["llm_parameters"] = self.llm_parameters()
+        values["voice_model"] = "voice" if has_talker(self.llm_model_path) else ""
         return values
 
     def llm_parameters(self) -> str:

@@ -43,6 +43,11 @@ COMPLETION_TOKENS = "completion_tokens"  # INT32 [1]
 CACHED_TOKENS = "cached_tokens"  # INT32 [1]: prompt tokens the prefix cache supplied
 OUTPUT_LOGPROBS = "output_logprobs"  # BYTES [1]: JSON of the delta's token logprobs ("" when not asked)
 PROMPT_TOKEN_LOGPROBS = "prompt_token_logprobs"  # BYTES [1]: JSON of the prompt's logprobs ("" when not asked)
+HIDDEN_STATES = "hidden_states"  # FP32 [k, H]: last-layer hidden states of the response's new rows (asked for)
+INPUT_EMBEDS = "input_embeds"  # FP32 [k, H]: their layer-0 input embeddings
+
+# Qwen2.5-Omni's own voice: llm rows -> voice (talker + code2wav), keyed by stream_key (stages/voice.py)
+WAVEFORM = "waveform"  # FP32 [n]: float samples in [-1, 1] at sample_rate
 
 # speech: speech_options -> tts (omni_speech)
 VOICE = "voice"  # BYTES [1]

@@ -20,7 +20,9 @@ parameters, `Steps`):
 
     omni_chat      preprocess -> llm -> postprocess
     omni_chat_mm   preprocess -> media_embed (only for a request with image/audio parts) -> llm -> postprocess
-    omni_speech    speech_options, preprocess -> llm -> tts (once per llm response, in order)
+    omni_speech    speech_options, preprocess -> llm -> tts (once per llm response, in order); when the served
+                   model has a talker (its `voice_model` is set): voice check, preprocess -> llm (with the thinker's
+                   rows) -> voice (once per llm response, in order; stages/voice_answer.py)
 
 Tensors go from stage to stage by name. postprocess only rewrites logprobs, so an llm response without them skips
 it (`carries_logprobs`). A response with a non-empty `finish_reason` is the request's last and carries the final
@@ -51,6 +53,7 @@ from omni_backend.stages.postprocess import carries_logprobs
 from omni_backend.stages.tensors import one_value
 from omni_backend.stages.tts import COUNT_NAMES as TTS_COUNTS
 from omni_backend.stages.tts_options import SPEECH_OPTION_INPUTS
+from omni_backend.stages.voice_answer import VoiceAnswer, check_options, with_hidden_states
 from omni_backend.vocabulary import ErrorKind, StageError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,8 @@ class Steps:
         media: the media_embed model (image/audio parts to llm prompt embeddings), or None.
         speech_options: the model that checks voice/format/speed and gives the tts options, or None.
         tts: the text-to-speech model the llm's text goes to, or None (then the answer is text).
+        voice: the model that speaks with the served model's own voice (its talker; stages/voice.py), or None; when
+            set it speaks instead of speech_options and tts.
     """
 
     preprocess: str
@@ -80,6 +85,7 @@ class Steps:
     media: str | None = None
     speech_options: str | None = None
     tts: str | None = None
+    voice: str | None = None
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> "Steps":
@@ -268,7 +274,9 @@ class EntryPoint:
         """
         steps, stages, rid = self.steps, self.stages, request.request_id
         options = None
-        if steps.speech_options is not None:
+        if steps.voice is not None:
+            check_options(stages, steps.voice, arrays, rid)
+        elif steps.speech_options is not None:
             given = {name: arrays[name] for name in SPEECH_OPTION_INPUTS if name in arrays}
             options = stages.infer(steps.speech_options, given, (T.OPTIONS,), rid)[T.OPTIONS]
         wanted = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.MEDIA_PARTS) + ((*MEDIA_INPUTS, T.PROMPT_POSITIONS)
@@ -293,7 +301,13 @@ class EntryPoint:
                 return
             request.stream_key = key
         llm_inputs[T.STREAM_KEY] = np.array([key.encode()], dtype=np.object_)
-        responses = stages.stream(steps.llm, llm_inputs, LLM_OUTPUTS, rid)
+        spoken = None
+        if steps.voice is not None:
+            llm_inputs[T.SAMPLING_PARAMS], seed = with_hidden_states(llm_inputs[T.SAMPLING_PARAMS])
+            spoken = VoiceAnswer(stages, steps.voice, request, key, arrays[T.VOICE], seed,
+                                 llm_inputs.get(T.PROMPT_POSITIONS))
+        # every output for a spoken answer: hidden_states and input_embeds come only with return_hidden_states
+        responses = stages.stream(steps.llm, llm_inputs, () if spoken else LLM_OUTPUTS, rid)
         llm_ended = False
         try:
             for response in responses:
@@ -302,7 +316,9 @@ class EntryPoint:
                 if steps.postprocess is not None and carries_logprobs(response):
                     response = stages.infer(steps.postprocess, response, POSTPROCESS_INPUTS, rid)
                 final = bool(one_value(response, T.FINISH_REASON, str, ""))
-                if steps.tts is None:
+                if spoken is not None:
+                    spoken.speak(response)
+                elif steps.tts is None:
                     request.send(response, final)
                 else:
                     self._speak(request, response, options)
@@ -314,6 +330,8 @@ class EntryPoint:
             if not llm_ended:  # the watch may have sent it already, maybe before the generation was there
                 self._cancel_llm(request)
             responses.close()
+            if spoken is not None:
+                self._cancel_voice(spoken)
 
     def _speak(self, request: _Request, response: dict[str, np.ndarray], options: np.ndarray) -> None:
         """Send one llm response's text to tts and its phrases to the client, until one is final or the request is
@@ -341,6 +359,15 @@ class EntryPoint:
         except Exception:
             logger.exception("cancelling the %s generation of %s request %s failed", self.steps.llm, self.name,
                              request.request_id)
+
+    def _cancel_voice(self, spoken: VoiceAnswer) -> None:
+        """End a spoken answer that did not reach its last chunk in the voice stage. A failure is logged: the voice
+        stage then speaks it to its end."""
+        try:
+            spoken.cancel()
+        except Exception:
+            logger.exception("cancelling the %s answer of %s request %s failed", self.steps.voice, self.name,
+                             spoken.client.request_id)
 
     def _watch_loop(self) -> None:
         while not self._stopping.is_set():

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from helpers.list_sink import ListSink
 
 from omni_backend.engine.config import EngineConfig
@@ -16,7 +17,7 @@ from omni_backend.stages.llm.build import build_engine_on_a_passing_thread
 from omni_backend.stages.llm.parameters import instance_device, parse_parameters
 from omni_backend.stages.llm.server_probe import parent_operator_key, parent_server_probe
 from omni_backend.stages.llm.service import LOOP_STUCK_AFTER_S, LLMService, QueueFull
-from omni_backend.stages.llm.triton_io import cancel_key, generation_inputs, is_reset_request
+from omni_backend.stages.llm.triton_io import cancel_key, generation_inputs, is_reset_request, output_arrays
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 
@@ -480,3 +481,14 @@ def test_a_cancel_that_overtakes_its_generation_or_reaches_another_instance_stil
     finally:
         for service in (holder, other):
             service.shutdown()
+
+
+def test_responses_carry_the_thinker_rows_only_when_asked():
+    from omni_backend.engine.llm_engine import RequestOutput
+
+    plain = RequestOutput("r", "a", [7], None, 3, 1)
+    assert "hidden_states" not in output_arrays(plain) and "input_embeds" not in output_arrays(plain)
+    hidden, embeds = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2), torch.ones(3, 2)
+    arrays = output_arrays(RequestOutput("r", "a", [7], None, 3, 1, hidden_states=hidden, input_embeds=embeds))
+    assert arrays["hidden_states"].dtype == np.float32 and arrays["hidden_states"].tolist() == hidden.float().tolist()
+    assert arrays["input_embeds"].tolist() == [[1.0, 1.0]] * 3

@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
+from helpers.triton_server import start_tritonserver
 
 from omni_backend import repository
 from omni_backend.launch.ports import free_ports
-from omni_backend.launch.tritonserver import TritonServer
 
 MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "audio_encoder", "media_embed",
           "omni_chat_mm"]
@@ -21,10 +21,7 @@ def mm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-mm")
     repository.render_repository(root / "model_repository", models=MODELS, dtype="float32",
                                  kv_cache_bytes=96 * 1024 * 1024, max_num_seqs=16)
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          exit_timeout_s=5, log_file=root / "tritonserver.log", env={"TRITON_INTERPRET": None})
-    server.start(ready_timeout_s=300)
+    server = start_tritonserver(root)
     yield server
     server.stop()
 

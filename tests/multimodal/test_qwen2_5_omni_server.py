@@ -13,12 +13,11 @@ import requests
 from helpers.chat_client import stream_infer
 from helpers.front_door import FrontDoorThread, front_door_config
 from helpers.media_inputs import video_bytes, video_part
+from helpers.triton_server import start_tritonserver
 from omni_reference import (CASES, NEW_TOKENS, VIDEO_FPS, clip_frames, messages, transformers_greedy,
                             transformers_inputs, transformers_reference)
 
 from omni_backend import repository
-from omni_backend.launch.ports import free_ports
-from omni_backend.launch.tritonserver import TritonServer
 from omni_backend.setup.tiny_hf_multimodal import build
 
 pytestmark = pytest.mark.server
@@ -36,10 +35,7 @@ def served(tmp_path_factory):
                                  kv_cache_bytes=16 * 1024 * 1024, max_num_seqs=4, max_model_len=1024)
     config = root / "model_repository" / "preprocess" / "config.pbtxt"
     config.write_text(config.read_text() + 'parameters { key: "max_video_seconds" value: { string_value: "2" } }\n')
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          exit_timeout_s=5, log_file=root / "tritonserver.log", env={"TRITON_INTERPRET": None})
-    server.start(ready_timeout_s=300)
+    server = start_tritonserver(root)
     door = FrontDoorThread(front_door_config(server)).start()
     yield folder, door.url, server
     door.stop()

@@ -93,3 +93,20 @@ def test_render_repository(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["preprocess"]
     with pytest.raises(ValueError, match="no such model"):
         render_repository(out, models=["nope"])
+
+
+def test_the_speech_entry_point_names_the_voice_stage_only_for_a_checkpoint_with_a_talker(tmp_path):
+    omni = tmp_path / "omni"
+    omni.mkdir()
+    (omni / "config.json").write_text('{"architectures": ["Qwen2_5OmniForConditionalGeneration"]}')
+    template = (paths.MODEL_REPOSITORY_TEMPLATES / "omni_speech" / "config.pbtxt").read_text()
+    line = 'parameters { key: "voice_model" value: { string_value: "%s" } }'
+    assert line % "" in render_config(template, Settings(llm_model_path=str(omni)))  # no spk_dict.pt: no voices
+    (omni / "spk_dict.pt").write_bytes(b"")
+    assert line % "voice" in render_config(template, Settings(llm_model_path=str(omni)))
+    assert line % "" in render_config(template, Settings.load(environ={}))
+    voice = render_config((paths.MODEL_REPOSITORY_TEMPLATES / "voice" / "config.pbtxt").read_text(),
+                          Settings(llm_model_path=str(omni), talker_max_num_seqs=3, code2wav_num_steps=4))
+    assert f'key: "model_path" value: {{ string_value: "{omni}" }}' in voice
+    assert 'key: "talker_max_num_seqs" value: { string_value: "3" }' in voice
+    assert 'key: "code2wav_num_steps" value: { string_value: "4" }' in voice

@@ -17,6 +17,7 @@ from omni_backend.vocabulary import ErrorKind, StageError
 CHAT = Steps(preprocess="preprocess", llm="llm", postprocess="postprocess")
 MM = Steps(preprocess="preprocess", llm="llm", postprocess="postprocess", media="media_embed")
 SPEECH = Steps(preprocess="preprocess", llm="llm", speech_options="speech_options", tts="tts")
+VOICE = Steps(preprocess="preprocess", llm="llm", speech_options="speech_options", tts="tts", voice="voice")
 
 
 def llm_response(text: str, finish: str = "", tokens: int = 1, logprobs: str = "") -> dict:
@@ -40,6 +41,7 @@ class FakeStages:
         self.cancelled_keys: list[str] = []
         self.llm_ended = threading.Event()
         self.failing: dict[str, StageFailure] = {}
+        self.chunks = 0  # voice chunks made
 
     def infer(self, model, inputs, outputs, request_id):
         self.calls.append((model, inputs))
@@ -65,6 +67,9 @@ class FakeStages:
         if model == "llm" and "cancel" in inputs:
             self.cancelled_keys.append(inputs["cancel"][0].decode())
             return
+        if model == "voice":
+            yield from self.voice(inputs)
+            return
         if model == "tts":
             said = text({"text_output": inputs["text"]})
             if "." in said or inputs["finish_reason"][0]:
@@ -80,6 +85,29 @@ class FakeStages:
                 yield response
         finally:
             self.llm_ended.set()
+
+
+    def voice(self, inputs):
+        """The voice stage: a check refuses voices but Chelsie; a push yields one chunk of as many samples as it
+        had rows (the last one: two, the second final); a cancel ends the answer."""
+        if "cancel" in inputs or "stream_key" not in inputs:
+            if inputs.get("voice", [b"Chelsie"])[0] != b"Chelsie":
+                raise StageFailure("[invalid_argument field=voice] voice 'x' is not a voice of this model; its "
+                                   "voices: Chelsie, Ethan", 3)
+            return
+        rows = inputs["hidden_states"].shape[0] if "hidden_states" in inputs else 0
+        last = bool(inputs["finish_reason"][0])
+        for i in range(2 if last else 1):
+            time.sleep(self.gap_s)
+            self.chunks += 1
+            yield {"waveform": np.full(rows + 1, 0.5, np.float32), "sample_rate": np.array([24000], np.int32),
+                   "chunk_index": np.array([self.chunks - 1], np.int32),
+                   "finish_reason": string_tensor("stop" if last and i == 1 else "")}
+
+
+def voiced(text_delta: str, rows: int, finish: str = "") -> dict:
+    return {**llm_response(text_delta, finish), "hidden_states": np.ones((rows, 4), np.float32),
+            "input_embeds": np.zeros((rows, 4), np.float32)}
 
 
 class ListClient:
@@ -300,3 +328,61 @@ def test_a_text_only_entry_point_refuses_media_parts_instead_of_answering_withou
     (error,) = client.errors
     assert (error.kind, error.field) == (ErrorKind.INVALID_ARGUMENT, "text_input")
     assert "omni_chat_mm" in error.message
+
+
+def test_a_model_with_a_talker_speaks_through_the_voice_stage(run):
+    """Voice check first, then preprocess and llm (asked for hidden states, every output), each llm response's rows
+    to voice (the first with the voice, seed and prompt length), text and audio to the client as they come, the last
+    response after the last chunk; speech_options and tts are not called."""
+    stages = FakeStages([voiced("Hi", 6), voiced(" there", 1), voiced("", 0, "stop")])
+    real_infer = stages.infer
+
+    def seeded(model, inputs, outputs, request_id):
+        answer = real_infer(model, inputs, outputs, request_id)
+        if model == "preprocess":
+            answer["sampling_params"] = string_tensor('{"seed": 5, "max_tokens": 3}')
+        return answer
+
+    stages.infer = seeded
+    client = ListClient()
+    run(VOICE, stages, client, {"text_input": string_tensor("hi"), "voice": string_tensor("Chelsie"),
+                                "audio_format": string_tensor("wav")})
+    assert [model for model, _ in stages.calls] == ["voice", "preprocess", "llm", "voice", "voice", "voice"]
+    llm = stages.calls[2][1]
+    assert json.loads(llm["sampling_params"][0]) == {"seed": 5, "max_tokens": 3, "return_hidden_states": True,
+                                                     "stream": True}
+    pushes = [inputs for model, inputs in stages.calls[3:]]
+    assert {p["stream_key"][0] for p in pushes} == {llm["stream_key"][0]}
+    assert pushes[0]["voice"][0] == b"Chelsie" and pushes[0]["seed"].tolist() == [5]
+    assert pushes[0]["prompt_tokens"].tolist() == [5] and "voice" not in pushes[1]
+    assert [p["hidden_states"].shape[0] for p in pushes[:2]] == [6, 1] and "hidden_states" in pushes[2]
+    kinds = [("text", text(o)) if "waveform" not in o else ("audio", o["waveform"].size) for o, _ in client.sent]
+    assert kinds == [("text", "Hi"), ("audio", 7), ("text", " there"), ("audio", 2), ("audio", 1), ("audio", 1),
+                     ("text", "")]
+    audio = client.sent[1][0]
+    assert audio["audio"].dtype == np.int16 and audio["audio"].tolist() == [16384] * 7
+    last, final = client.sent[-1]
+    assert final and last["finish_reason"][0] == b"stop" and last["completion_tokens"].tolist() == [1]
+    assert [final for _, final in client.sent[:-1]] == [False] * 6 and not stages.cancelled_keys
+
+
+def test_an_unknown_voice_or_speed_is_refused_before_the_llm_runs(run):
+    stages = FakeStages([voiced("never", 2, "stop")])
+    client = ListClient()
+    run(VOICE, stages, client, {"text_input": string_tensor("hi"), "voice": string_tensor("Nobody")})
+    assert "Chelsie, Ethan" in client.errors[0].message and [m for m, _ in stages.calls] == ["voice"]
+    client = ListClient()
+    run(VOICE, stages, client, {"text_input": string_tensor("hi"), "voice": string_tensor("Chelsie"),
+                                "speed": np.array([1.5], np.float32)})
+    assert client.errors[0].field == "speed" and [m for m, _ in stages.calls] == ["voice"]
+
+
+def test_a_cancelled_spoken_answer_ends_in_the_llm_and_the_voice_stage(run):
+    stages = FakeStages([voiced("x", 1) for _ in range(200)] + [voiced("", 0, "length")], gap_s=0.005)
+    client = ListClient(cancel_after=4)
+    run(VOICE, stages, client, {"text_input": string_tensor("hi"), "voice": string_tensor("Chelsie")})
+    assert client.closed == 1 and not client.errors and len(client.sent) < 50
+    key = stages.calls[2][1]["stream_key"][0]
+    cancels = [(model, inputs["cancel"][0]) for model, inputs in stages.calls if "cancel" in inputs]
+    assert ("llm", key) in cancels and [c for c in cancels if c[0] == "voice"] == [("voice", key)]
+    assert stages.llm_ended.is_set()

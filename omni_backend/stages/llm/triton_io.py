@@ -93,8 +93,9 @@ def generation_inputs(arrays: dict) -> tuple[list[int], SamplingParams, PromptEm
 
 
 def output_arrays(output: RequestOutput) -> dict[str, np.ndarray]:
-    """One response's output arrays for an engine output."""
-    return {
+    """One response's output arrays for an engine output; with `hidden_states` and `input_embeds` FP32 [k, H] when
+    the request asked for them (`SamplingParams.return_hidden_states`: a spoken answer's talker reads them)."""
+    arrays = {
         T.TEXT_OUTPUT: string_tensor(output.text),
         T.OUTPUT_IDS: np.array(output.token_ids, dtype=np.int32),
         T.FINISH_REASON: string_tensor(output.finish_reason or ""),
@@ -104,6 +105,10 @@ def output_arrays(output: RequestOutput) -> dict[str, np.ndarray]:
         T.OUTPUT_LOGPROBS: string_tensor(logprobs_json(output.logprobs)),
         T.PROMPT_TOKEN_LOGPROBS: string_tensor(logprobs_json(output.prompt_logprobs)),
     }
+    if output.hidden_states is not None:
+        arrays[T.HIDDEN_STATES] = output.hidden_states.detach().float().cpu().numpy()
+        arrays[T.INPUT_EMBEDS] = output.input_embeds.detach().float().cpu().numpy()
+    return arrays
 
 
 def reset_arrays(dropped_blocks: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,70 @@
+"""The tiny Qwen2.5-Omni speaking with its own voice through the real tritonserver (issue 27): `omni_speech` runs
+preprocess -> llm (with the thinker's rows) -> voice (talker + code2wav) when the served checkpoint has a talker.
+The talker is greedy here (its test-only setting) and its answers short, so the waveform's length is known from its
+codec tokens; the tiny vocoder's samples peak near 5e-7, so the float waveform is checked, not 16-bit silence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from helpers.chat_client import make_inputs, stream_inputs
+from helpers.triton_server import start_tritonserver
+
+from omni_backend import repository
+from omni_backend.setup.tiny_hf_multimodal import build
+
+pytestmark = pytest.mark.server
+
+MODELS = ["preprocess", "llm", "speech_options", "tts", "voice", "omni_speech"]
+CODEC_TOKENS = 13  # a DiT block of 12 codec frames in the tiny model, and one more
+SAMPLES_PER_CODE = 2 * 240  # mel frames per codec frame x the vocoder's hop
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(checkpoint folder, tritonserver) of the tiny Qwen2.5-Omni with its voice stage."""
+    root = tmp_path_factory.mktemp("omni-voice-server")
+    folder = str(build("qwen2_5_omni", root / "checkpoint", log=lambda _: None))
+    repository.render_repository(root / "model_repository", models=MODELS, dtype="float32", llm_model_path=folder,
+                                 kv_cache_bytes=16 * 1024 * 1024, max_num_seqs=4, max_model_len=1024,
+                                 talker_kv_cache_bytes=4 * 1024 * 1024, talker_max_codec_tokens=CODEC_TOKENS,
+                                 code2wav_num_steps=2, code2wav_vocoder_context=0, code2wav_future_blocks=0,
+                                 code2wav_chunk_blocks=1)
+    config = root / "model_repository" / "voice" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "talker_greedy" value: { string_value: "true" } }\n')
+    server = start_tritonserver(root)
+    yield folder, server
+    server.stop()
+
+
+def speech_inputs(voice: str, max_tokens: int = 3) -> list:
+    inputs = make_inputs({"text_input": "Say hello.", "max_tokens": max_tokens, "temperature": 0.0,
+                          "ignore_eos": True}, grpcclient)
+    tensor = grpcclient.InferInput("voice", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([voice.encode()], dtype=np.object_))
+    return inputs + [tensor]
+
+
+def test_omni_speech_streams_text_and_the_models_own_voice(served):
+    _, server = served
+    result = stream_inputs(server.grpc_url, speech_inputs("Ethan"), "omni_speech", timeout_s=300)
+    assert result.error is None
+    audio = [r for r in result.responses if "waveform" in r]
+    texts = [r["text_output"][0].decode() for r in result.responses if "waveform" not in r]
+    assert audio and [int(r["chunk_index"][0]) for r in audio] == list(range(len(audio)))
+    assert all(int(r["sample_rate"][0]) == 24000 for r in audio)
+    waveform = np.concatenate([r["waveform"] for r in audio])
+    assert waveform.size % SAMPLES_PER_CODE == 0 and 0 < waveform.size <= CODEC_TOKENS * SAMPLES_PER_CODE
+    assert np.abs(waveform).max() > 0 and np.isfinite(waveform).all()
+    assert np.array_equal(np.concatenate([r["audio"] for r in audio]), np.rint(waveform * 32767).astype(np.int16))
+    assert "".join(texts) and result.last("finish_reason") == "length" and result.last("completion_tokens") == 3
+    assert "waveform" not in result.responses[-1]
+
+
+def test_an_unknown_voice_is_refused_naming_the_voices_and_the_next_request_works(served):
+    _, server = served
+    refused = stream_inputs(server.grpc_url, speech_inputs("Nobody"), "omni_speech", timeout_s=300)
+    assert "voice 'Nobody' is not a voice of this model; its voices: Chelsie, Ethan" in refused.error
+    again = stream_inputs(server.grpc_url, speech_inputs("Chelsie", 2), "omni_speech", timeout_s=300)
+    assert again.error is None and any("waveform" in r for r in again.responses)

@@ -1,4 +1,4 @@
-"""What every route shares: the served pipelines and the speech and image backends, admission (the limit on
+"""What every route shares: the served pipelines and the speech, voice and image backends, admission (the limit on
 requests in flight), metrics, the HTTP session to Triton, and the API key and operator key checks."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from omni_backend.serving.image_backend import ImageBackend
 from omni_backend.serving.metrics import FrontDoorMetrics, StageWatch
 from omni_backend.serving.pipeline import TritonPipeline
 from omni_backend.serving.speech_backend import SpeechBackend
+from omni_backend.serving.voice_backend import VoiceBackend
 
 
 class FrontDoor:
@@ -32,13 +33,14 @@ class FrontDoor:
         self.watch = StageWatch(self.http, config.triton_metrics_url)  # stages whose stub died (heartbeats)
         self.pipelines = {name: TritonPipeline(config.triton_grpc, name, self.watch) for name in config.models}
         self.speech = SpeechBackend(config.triton_grpc)
+        self.voice = VoiceBackend(config.triton_grpc)  # the served model's own voice, when it has a talker
         self.images = ImageBackend(config.triton_grpc)
         self.metrics = FrontDoorMetrics()
         self.in_flight = 0
         self.model_configs: dict[str, dict] = {}  # Triton model configs read for /v2 (routes/triton_v2.py)
 
     async def close(self) -> None:
-        for backend in (*self.pipelines.values(), self.speech, self.images):
+        for backend in (*self.pipelines.values(), self.speech, self.voice, self.images):
             await backend.close()
         if self.session is not None:
             await self.session.close()

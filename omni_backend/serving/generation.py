@@ -13,10 +13,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from omni_backend import tensor_names as T
 from omni_backend.serving import errors
 from omni_backend.serving.pipeline import Prepared, Step, TritonPipeline
 from omni_backend.serving.speech_backend import Audio
 from omni_backend.stages.tts_options import SpeechOptions
+from omni_backend.stages.voice_answer import with_hidden_states
 
 
 @dataclass
@@ -49,6 +51,8 @@ class GenerationRequest:
             is dropped).
         prompt_logprobs: the prompt's tokens get logprobs too (completions' echo with logprobs).
         speech: how to speak the answer (chat with audio output; n is 1), None for a written answer only.
+        own_voice: the served model speaks it with its own voice (serving/voiced.py): the llm returns the
+            thinker's rows too.
     """
 
     kind: str
@@ -62,6 +66,7 @@ class GenerationRequest:
     generate: bool = True
     prompt_logprobs: bool = False
     speech: SpeechOptions | None = None
+    own_voice: bool = False
 
     @property
     def stream(self) -> bool:
@@ -138,6 +143,8 @@ class Generation:
         for item in prepared:
             if isinstance(item, BaseException):
                 raise item
+            if request.own_voice:
+                item.tensors[T.SAMPLING_PARAMS] = with_hidden_states(item.tensors[T.SAMPLING_PARAMS])[0]
         runs_llm = request.generate or request.prompt_logprobs
         for index, prep in enumerate(prepared):
             steps = (self.pipeline.generate(prep, request.prompt_field, f"{self.request_id}-{index}")

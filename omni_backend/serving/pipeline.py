@@ -97,6 +97,8 @@ class Step:
         logprobs, prompt_logprobs: postprocess's logprob entries, None when not asked for.
         cached_tokens: prompt tokens whose KV the llm stage's prefix cache supplied (0 without a hit, or from a
             pipeline whose wiring does not carry `cached_tokens`).
+        rows: the thinker's `hidden_states` and `input_embeds` [k, H] of a request that asked for them (a spoken
+            answer in the model's own voice, serving/voiced.py), else empty.
     """
 
     text: str
@@ -106,6 +108,7 @@ class Step:
     logprobs: list[dict] | None
     prompt_logprobs: list[dict] | None = None
     cached_tokens: int = 0
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 WATCH_INTERVAL_S = 1.0  # how often a request waiting on the llm stream checks the stage's heartbeat
@@ -189,6 +192,7 @@ class TritonPipeline(TritonGrpcUser):
             config = await self._config(steps.postprocess)
             from_llm = _names(config, "input")
             postprocess = StepWiring(steps.postprocess, _same(from_llm), _same(_names(config, "output")))
+            from_llm += [n for n in (T.HIDDEN_STATES, T.INPUT_EMBEDS) if n in _names(llm, "output")]  # for a voice
         parameters = config_parameters(llm) or config_parameters(preprocess)
         max_model_len = parse_field(EngineConfig, "max_model_len", parameters.get("max_model_len")) \
             if parameters.get("max_model_len") else None
@@ -330,12 +334,14 @@ class TritonPipeline(TritonGrpcUser):
                     array = result.as_numpy(name)
                     if array is not None:
                         outputs[tensor] = array
+                rows = {name: outputs[name] for name in (T.HIDDEN_STATES, T.INPUT_EMBEDS) if name in outputs}
                 if info.postprocess is not None:
                     if carries_logprobs(outputs):
                         outputs = await self._postprocess(info.postprocess, outputs, prompt_field, request_id)
                     else:
                         outputs = _passed_through(info.postprocess, outputs)
                 step = self._step(outputs)
+                step.rows = rows
                 finished = bool(step.finish_reason)
                 yield step
                 if finished:

@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from omni_backend import tensor_names as T
 from omni_backend.serving.errors import OpenAIError, invalid
@@ -212,6 +212,7 @@ class ChatCompletionRequest(_Request):
     audio: AudioOutput | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    _voices: tuple[str, ...] | None = PrivateAttr(default=None)  # the served model's own (parse_request's voices)
 
     NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"messages"}
 
@@ -267,7 +268,7 @@ class ChatCompletionRequest(_Request):
         `audio.format`."""
         if self.audio is None:
             return None
-        return SpeechOptions(voice=speech_voice(self.audio.voice, "audio.voice"),
+        return SpeechOptions(voice=speech_voice(self.audio.voice, "audio.voice", self._voices),
                              audio_format=speech_format(self.audio.format, "audio.format", CHAT_AUDIO_FORMATS))
 
     def generation(self) -> GenerationRequest:
@@ -285,7 +286,8 @@ class ChatCompletionRequest(_Request):
         return GenerationRequest(
             kind="chat", model=self.model, prompt_field="messages",
             prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False), template=template)],
-            settings=settings, n=self.n, include_usage=self.include_usage, speech=self.speech_options())
+            settings=settings, n=self.n, include_usage=self.include_usage, speech=self.speech_options(),
+            own_voice=self.spoken and self._voices is not None)
 
     def messages_json(self) -> list[dict]:
         """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
@@ -386,13 +388,19 @@ class CompletionRequest(_Request):
         return prompts
 
 
-def speech_voice(value: Any, field: str) -> str:
-    """The installed voice that speaks for `value` (a voice name, or OpenAI's `{"id": name}` for a custom voice).
-    Raises OpenAIError 400 naming `field` when it is no string or no voice this server has."""
+def speech_voice(value: Any, field: str, voices: tuple[str, ...] | None = None) -> str:
+    """The voice that speaks for `value` (a voice name, or OpenAI's `{"id": name}` for a custom voice): one of the
+    served model's own `voices` (any case), or without those an installed tts voice. Raises OpenAIError 400 naming
+    `field` when it is no string or no voice this server has."""
     if isinstance(value, dict):
         value = value.get("id")
     if not isinstance(value, str):
         raise invalid(f"'{field}' is a required property and must be a string", field)
+    if voices is not None:
+        found = {voice.lower(): voice for voice in voices}.get(value.strip().lower())
+        if found is None:
+            raise invalid(f"{field} '{value}' is not a voice of this model; its voices: {', '.join(voices)}", field)
+        return found
     try:
         return resolve_voice(value)
     except FieldError as exc:
@@ -436,8 +444,9 @@ def schema_error(exc: ValidationError) -> OpenAIError:
     return invalid(f"Invalid value for '{param}': {error['msg'].rstrip('.')} (got {shown})", param)
 
 
-def parse_request(model: type[_Request], body: dict):
-    """Validate a JSON object against a request model.
+def parse_request(model: type[_Request], body: dict, voices: tuple[str, ...] | None = None):
+    """Validate a JSON object against a request model; `voices`: the served model's own (a chat answer is then
+    spoken in one of them), None: the tts stage's.
 
     Raises:
         OpenAIError: 400 naming the first field that is not served (`check_fields`) or invalid, or the endpoint's
@@ -448,6 +457,8 @@ def parse_request(model: type[_Request], body: dict):
         request = model.model_validate(body)
     except ValidationError as exc:
         raise schema_error(exc) from None
+    if voices is not None:
+        request._voices = voices
     request.check()
     return request
 

@@ -9,8 +9,9 @@ One answer is a series of requests under one `stream_key`, one per llm response,
                 `finish_reason` ("" while the thinker writes)
     cancel      `cancel` = the key alone: the answer ends in both engines (KV blocks freed), that request gets the
                 final flag alone
-    check       `voice` alone: answered with the final flag alone, or INVALID_ARGUMENT naming `voice` (an entry point
-                checks the voice before its thinker runs)
+    check       `voice` alone: answered with one response, `voice` = the model's voices as a JSON list, or with
+                INVALID_ARGUMENT naming `voice` and the voices for a voice it lacks ("" asks for the list only;
+                an entry point and the front door check the voice before the thinker runs)
 
 A request whose `finish_reason` is "" is answered with the chunks made since the previous request of its answer,
 then the final flag; the last one (finish_reason set) streams every chunk that follows, to the answer's final chunk
@@ -162,13 +163,13 @@ class VoiceWorker:
         """A request's input arrays; its responses go to `sink` (a refused request is answered at once)."""
         try:
             request = parse_request(arrays)
-            if request.kind == "check" or (request.kind == "push" and request.voice is not None):
+            if request.voice and request.kind in ("check", "push"):
                 self.check_voice(request.voice)
         except Exception as exc:  # bad input: this request only
             sink.fail(exc)
             return
         if request.kind == "check":
-            sink.close()
+            sink.send({T.VOICE: string_tensor(json.dumps(list(self.voices)))}, final=True)
             return
         self._inbox.put((request, sink))
 

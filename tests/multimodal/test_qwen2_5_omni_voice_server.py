@@ -5,10 +5,17 @@ codec tokens; the tiny vocoder's samples peak near 5e-7, so the float waveform i
 
 from __future__ import annotations
 
+import base64
+import io
+import json
+import wave
+
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 from helpers.chat_client import make_inputs, stream_inputs
+from helpers.front_door import FrontDoorThread, front_door_config
 from helpers.triton_server import start_tritonserver
 
 from omni_backend import repository
@@ -16,14 +23,14 @@ from omni_backend.setup.tiny_hf_multimodal import build
 
 pytestmark = pytest.mark.server
 
-MODELS = ["preprocess", "llm", "speech_options", "tts", "voice", "omni_speech"]
+MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "speech_options", "tts", "voice", "omni_speech"]
 CODEC_TOKENS = 13  # a DiT block of 12 codec frames in the tiny model, and one more
 SAMPLES_PER_CODE = 2 * 240  # mel frames per codec frame x the vocoder's hop
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(checkpoint folder, tritonserver) of the tiny Qwen2.5-Omni with its voice stage."""
+    """(checkpoint folder, tritonserver, front door URL) of the tiny Qwen2.5-Omni with its voice stage."""
     root = tmp_path_factory.mktemp("omni-voice-server")
     folder = str(build("qwen2_5_omni", root / "checkpoint", log=lambda _: None))
     repository.render_repository(root / "model_repository", models=MODELS, dtype="float32", llm_model_path=folder,
@@ -34,7 +41,9 @@ def served(tmp_path_factory):
     config = root / "model_repository" / "voice" / "config.pbtxt"
     config.write_text(config.read_text() + 'parameters { key: "talker_greedy" value: { string_value: "true" } }\n')
     server = start_tritonserver(root)
-    yield folder, server
+    door = FrontDoorThread(front_door_config(server)).start()
+    yield folder, server, door.url
+    door.stop()
     server.stop()
 
 
@@ -47,7 +56,7 @@ def speech_inputs(voice: str, max_tokens: int = 3) -> list:
 
 
 def test_omni_speech_streams_text_and_the_models_own_voice(served):
-    _, server = served
+    _, server, _ = served
     result = stream_inputs(server.grpc_url, speech_inputs("Ethan"), "omni_speech", timeout_s=300)
     assert result.error is None
     audio = [r for r in result.responses if "waveform" in r]
@@ -63,8 +72,53 @@ def test_omni_speech_streams_text_and_the_models_own_voice(served):
 
 
 def test_an_unknown_voice_is_refused_naming_the_voices_and_the_next_request_works(served):
-    _, server = served
+    _, server, _ = served
     refused = stream_inputs(server.grpc_url, speech_inputs("Nobody"), "omni_speech", timeout_s=300)
     assert "voice 'Nobody' is not a voice of this model; its voices: Chelsie, Ethan" in refused.error
     again = stream_inputs(server.grpc_url, speech_inputs("Chelsie", 2), "omni_speech", timeout_s=300)
     assert again.error is None and any("waveform" in r for r in again.responses)
+
+
+def chat(url, voice="Chelsie", stream=False, audio_format="wav", max_tokens=3, timeout=300, **extra):
+    body = {"model": "omni_chat", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "modalities": ["text", "audio"],
+            "audio": {"voice": voice, "format": audio_format}, "stream": stream, **extra}
+    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=timeout, stream=stream)
+
+
+def events(response) -> list[dict]:
+    lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_the_front_door_speaks_in_the_models_own_voice_whole_and_streamed(served):
+    """Non-streamed: message.audio is a 24 kHz WAV of a whole number of codec frames, its transcript the text
+    (streamed the same text); streamed: transcript deltas, pcm16 audio deltas, then the finish reason. (The tiny
+    vocoder's samples round to 16-bit silence; their float values are checked through Triton above.)"""
+    _, _, url = served
+    whole = chat(url)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()["choices"][0]
+    audio = answer["message"]["audio"]
+    with wave.open(io.BytesIO(base64.b64decode(audio["data"]))) as clip:
+        rate, frames = clip.getframerate(), clip.getnframes()
+    assert rate == 24000 and frames % SAMPLES_PER_CODE == 0 and 0 < frames <= CODEC_TOKENS * SAMPLES_PER_CODE
+    assert audio["transcript"] and answer["finish_reason"] == "length" and answer["message"]["content"] is None
+    streamed = chat(url, stream=True, audio_format="pcm16")
+    assert streamed.status_code == 200
+    chunks = events(streamed)
+    deltas = [c["choices"][0]["delta"].get("audio", {}) for c in chunks if c["choices"]]
+    assert "".join(d.get("transcript", "") for d in deltas) == audio["transcript"]  # greedy: the same text
+    pcm = b"".join(base64.b64decode(d["data"]) for d in deltas if "data" in d)
+    assert len(pcm) == 2 * frames  # greedy talker, same codes
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "expires_at" in deltas[-1]
+
+
+def test_an_unknown_voice_is_a_400_naming_the_models_voices(served):
+    _, _, url = served
+    refused = chat(url, voice="alloy")
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "audio.voice" and "its voices: Chelsie, Ethan" in error["message"]
+    assert chat(url, voice="ethan").status_code == 200  # any case

@@ -2,7 +2,8 @@
 
 Each route reads the body, finds the served model, validates the OpenAI request into a GenerationRequest
 (serving/protocol.py), runs it (serving/generation.py) and shapes the answer (serving/responses.py). A chat
-request asking for audio output is spoken too (serving/spoken.py).
+request asking for audio output is spoken too: in the served model's own voice when it has a talker
+(serving/voiced.py), else by the tts stage (serving/spoken.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omni_backend.serving.generation import Generation, collect
 from omni_backend.serving.request_body import read_json
 from omni_backend.serving.responses import completion_object, stream_events
 from omni_backend.serving.spoken import SpokenAnswer
+from omni_backend.serving.voiced import VoicedAnswer
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -51,12 +53,19 @@ async def serve(request: Request, request_model: type[protocol.ChatCompletionReq
     door = door_of(request)
     body = await read_json(request, door.config.max_body_bytes)
     pipeline = door.pipeline_for(body)
-    generation_request = protocol.parse_request(request_model, body).generation()
+    asks_audio = request_model is protocol.ChatCompletionRequest and (
+        body.get("audio") is not None or "audio" in (body.get("modalities") if isinstance(body.get("modalities"), list)
+                                                     else ()))
+    voices = await door.voice.voices() if asks_audio else None
+    generation_request = protocol.parse_request(request_model, body, voices).generation()
     started = time.monotonic()
     request_id = protocol.new_id("chatcmpl" if generation_request.kind == "chat" else "cmpl")
     generation = Generation(pipeline, generation_request, request_id)
     speech = generation_request.speech
-    spoken = None if speech is None else SpokenAnswer(door.speech, speech)
+    spoken = None
+    if speech is not None:
+        spoken = VoicedAnswer(door.voice, speech, generation_request.settings.get("seed")) \
+            if generation_request.own_voice else SpokenAnswer(door.speech, speech)
 
     async def start() -> None:
         await generation.start()

@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 
 from omni_backend import tensor_names as T
 from omni_backend.serving import errors
-from omni_backend.serving.triton_client import TritonGrpcUser
+from omni_backend.serving.triton_client import TritonGrpcUser, stream_one
 from omni_backend.stages.tts_options import SpeechOptions
 
 TTS_MODEL = "tts"
@@ -55,28 +55,17 @@ class SpeechBackend(TritonGrpcUser):
             tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
             tensors.append(tensor)
 
-        async def one_request():
-            yield {"model_name": self.model, "inputs": tensors, "request_id": request_id}
-
-        stream = self.client.stream_infer(one_request())
+        request = {"model_name": self.model, "inputs": tensors, "request_id": request_id}
         finished = False
-        try:
-            async for result, error in stream:
-                if error is not None:
-                    finished = True
-                    raise errors.from_triton(error.message(), None, None,
-                                             lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name))
-                audio = Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
-                              int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
-                finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
-                yield audio
-                if finished:
-                    return
-            finished = True
+        async for result in stream_one(
+                self.client, request, lambda message: errors.from_triton(
+                    message, None, None, lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name)),
+                lambda result: bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])):
+            finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
+            yield Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
+                        int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
+        if not finished:
             raise errors.internal(f"the {self.model} stream ended before its final response")
-        finally:
-            if not finished:
-                stream.cancel()
 
     async def speak(self, text: str, options: SpeechOptions, field: str = "input") -> Audio:
         """The whole audio of `text`."""

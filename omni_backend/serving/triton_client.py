@@ -1,9 +1,11 @@
 """The front door's gRPC client side of Triton: one asyncio client per event loop, unary calls that a cancelled
-caller never cancels on the wire, and numeric tensors whose values never wrap."""
+caller never cancels on the wire, one-request streams that a caller leaving early cancels, and numeric tensors whose
+values never wrap."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -44,6 +46,31 @@ def _unary_call_done(call: asyncio.Task) -> None:
     _UNARY_CALLS.discard(call)
     if not call.cancelled():
         call.exception()  # mark it retrieved: a dropped call's error is not logged as "never retrieved"
+
+
+async def stream_one(client: aio.InferenceServerClient, request: dict, to_error: Callable[[str], Exception],
+                     last: Callable[[Any], bool]) -> AsyncIterator:
+    """The results of a gRPC stream that carries `request` alone (`stream_infer`'s request dict), until one that
+    `last(result)` calls the last, or the stream's end. An error response raises `to_error(message)`. Closed before
+    the last result, it cancels the stream (the stage sees its request cancelled)."""
+    async def one_request():
+        yield request
+
+    stream = client.stream_infer(one_request())
+    finished = False
+    try:
+        async for result, error in stream:
+            if error is not None:
+                finished = True
+                raise to_error(error.message())
+            finished = last(result)
+            yield result
+            if finished:
+                return
+        finished = True
+    finally:
+        if not finished:
+            stream.cancel()
 
 
 def numeric_array(items: list, datatype: str, field: str) -> np.ndarray:

@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from omni_backend import tensor_names as T
 from omni_backend.serving import errors
 from omni_backend.serving.speech_backend import Audio
-from omni_backend.serving.triton_client import TritonGrpcUser
+from omni_backend.serving.triton_client import TritonGrpcUser, stream_one
 from omni_backend.stages.tensors import string_tensor
 from omni_backend.stages.voice_answer import to_int16
 
@@ -86,26 +86,14 @@ class VoiceBackend(TritonGrpcUser):
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
 
-        async def one_request():
-            # a request of an answer may end with the final flag alone: this makes Triton send it
-            yield {"model_name": self.model, "inputs": tensors, "request_id": request_id,
+        # a request of an answer may end with the final flag alone: this makes Triton send it
+        request = {"model_name": self.model, "inputs": tensors, "request_id": request_id,
                    "parameters": {"triton_enable_empty_final_response": True}}
-
-        stream = self.client.stream_infer(one_request())
-        finished = False
-        try:
-            async for result, error in stream:
-                if error is not None:
-                    finished = True
-                    raise errors.from_triton(error.message(), None, None,
-                                             lambda name: "audio.voice" if name == T.VOICE else name)
-                response = result.get_response()
-                if response.outputs:
-                    yield {output.name: result.as_numpy(output.name) for output in response.outputs}
-                if response.parameters["triton_final_response"].bool_param:
-                    finished = True
-                    return
-            finished = True
-        finally:
-            if not finished:
-                stream.cancel()
+        async for result in stream_one(
+                self.client, request,
+                lambda message: errors.from_triton(message, None, None,
+                                                   lambda name: "audio.voice" if name == T.VOICE else name),
+                lambda result: result.get_response().parameters["triton_final_response"].bool_param):
+            response = result.get_response()
+            if response.outputs:
+                yield {output.name: result.as_numpy(output.name) for output in response.outputs}

@@ -250,6 +250,81 @@ class EncoderMetrics:
         self._last = (items, hits)
 
 
+BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+
+
+@dataclass
+class VoiceStats:
+    """What the voice stage (omni_backend/stages/voice.py) did since its last snapshot: its talker engine's KV blocks
+    and the answers it holds now; the batch size of each talker step and code2wav DiT call, and each answer's time to
+    first audio (s), and the answers cancelled since then."""
+
+    talker_kv_blocks_used: int = 0
+    talker_kv_blocks_total: int = 0
+    answers: int = 0
+    talker_batches: list[int] = field(default_factory=list)
+    code2wav_batches: list[int] = field(default_factory=list)
+    first_audio_s: list[float] = field(default_factory=list)
+    cancelled: int = 0
+
+
+class VoiceMetrics:
+    """The voice stage's metrics, labels `model` and `version`:
+
+        omni_talker_kv_cache_blocks_used / _total  gauge      the talker engine's paged KV cache blocks
+        omni_voice_answers                         gauge      answers the voice stage holds (talker or code2wav)
+        omni_talker_batch_size                     histogram  answers that got a codec token in each talker step
+        omni_code2wav_batch_size                   histogram  answers in each code2wav DiT call
+        omni_voice_cancelled_total                 counter    answers ended by a cancel (their client went away)
+        omni_voice_time_to_first_audio_seconds     histogram  an answer's first rows reaching the voice stage ->
+                                                              its first chunk made (the thinker's time to its
+                                                              first token comes before: omni_time_to_first_token)
+
+    `publish` from the stage's worker thread, at most every few tenths of a second (IPC calls).
+    """
+
+    def __init__(self, pb_utils, model: str, version: str):
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "version": str(version)}
+        self._families = []  # a MetricFamily must outlive its metrics
+
+        def metric(name, description, kind, buckets=None):
+            fam = family(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            return fam.Metric(labels=labels) if buckets is None else fam.Metric(labels=labels, buckets=buckets)
+
+        G, H, C = family.GAUGE, family.HISTOGRAM, family.COUNTER
+        self.kv_used = metric("omni_talker_kv_cache_blocks_used", "Talker KV cache blocks in use", G)
+        self.kv_total = metric("omni_talker_kv_cache_blocks_total", "Talker KV cache blocks", G)
+        self.answers = metric("omni_voice_answers", "Answers the voice stage holds", G)
+        self.cancelled = metric("omni_voice_cancelled_total", "Answers ended by a cancel (their client went away)", C)
+        self.talker_batch = metric("omni_talker_batch_size", "Answers that got a codec token in each talker step", H,
+                                   BATCH_BUCKETS)
+        self.batch = metric("omni_code2wav_batch_size", "Answers in each code2wav DiT call", H, BATCH_BUCKETS)
+        self.first_audio = metric("omni_voice_time_to_first_audio_seconds",
+                                  "An answer's first rows at the voice stage -> its first audio chunk made (s)", H,
+                                  TTFT_BUCKETS)
+        self._last = VoiceStats()
+
+    def publish(self, stats: VoiceStats) -> None:
+        """Observe the new batches and first audios; set the gauges that changed."""
+        for size in stats.talker_batches:
+            self.talker_batch.observe(size)
+        for size in stats.code2wav_batches:
+            self.batch.observe(size)
+        for seconds in stats.first_audio_s:
+            self.first_audio.observe(seconds)
+        if stats.cancelled:
+            self.cancelled.increment(stats.cancelled)
+        last = self._last
+        for metric, value, old in ((self.kv_used, stats.talker_kv_blocks_used, last.talker_kv_blocks_used),
+                                   (self.kv_total, stats.talker_kv_blocks_total, last.talker_kv_blocks_total),
+                                   (self.answers, stats.answers, last.answers)):
+            if value != old:  # gauges start at 0, as the first `last` does
+                metric.set(value)
+        self._last = stats
+
+
 class StageHeartbeat:
     """The heartbeat of a stage without an engine loop (every Python-backend model but llm): a daemon thread sets
     the `omni_stage_heartbeat_timestamp_seconds` gauge to the current Unix time every `interval_s` seconds for

@@ -3,7 +3,9 @@ an answer request by request, its waveform chunks back as they are made."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -20,8 +22,19 @@ from omni_backend.serving.triton_client import TritonGrpcUser, stream_one
 from omni_backend.stages.tensors import string_tensor
 from omni_backend.stages.voice_answer import to_int16
 
+logger = logging.getLogger(__name__)
+
 VOICE_MODEL = "voice"
 NO_VOICE_RECHECK_S = 30.0  # how long "this model has no voice of its own" is believed before asking again
+
+
+_CANCELS: set[asyncio.Task] = set()  # cancels running on after their caller was cancelled
+
+
+def _cancel_done(call: asyncio.Task) -> None:
+    _CANCELS.discard(call)
+    if not call.cancelled() and call.exception() is not None:
+        logger.error("cancelling a voice answer failed: %s", call.exception())
 
 
 @dataclass
@@ -75,7 +88,15 @@ class VoiceBackend(TritonGrpcUser):
                              bool(outputs[T.FINISH_REASON].reshape(-1)[0]))
 
     async def cancel(self, key: str, request_id: str = "") -> None:
-        """End the answer `key` in the voice stage (its KV blocks freed)."""
+        """End the answer `key` in the voice stage (its KV blocks freed), also when the caller is cancelled meanwhile
+        (a client that went away: its task is cancelled at every await, so the cancel runs as a task of its own,
+        which a failure only logs)."""
+        call = asyncio.ensure_future(self._cancel(key, request_id))
+        _CANCELS.add(call)
+        call.add_done_callback(_cancel_done)
+        await asyncio.shield(call)
+
+    async def _cancel(self, key: str, request_id: str) -> None:
         async for _ in self._stream({T.CANCEL: string_tensor(key)}, request_id):
             pass
 

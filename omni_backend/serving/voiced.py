@@ -47,32 +47,33 @@ class VoicedAnswer(SpokenAnswer):
         """
         choice = generation.choices[0]
         key = f"voiced-{uuid.uuid4().hex}"
-        started = ended = False
+        held = False  # the voice stage holds the answer: it has not had its last request, nor failed
         try:
             async for _, step in generation.merged():
                 if step.text:
                     yield choice, replace(step, finish_reason=None, rows={})
                 inputs = {T.STREAM_KEY: string_tensor(key), T.FINISH_REASON: string_tensor(step.finish_reason or ""),
                           **step.rows}
-                if not started:
+                if not held:
                     inputs.update(self._first(choice, step))
-                    started = True
+                    held = True
                 try:
                     async for chunk in self.backend.chunks(inputs, generation.request_id):
-                        ended = ended or chunk.final
                         yield choice, chunk.audio
                 except errors.OpenAIError:
-                    ended = True  # the voice stage ended the failed answer itself
+                    held = False  # the voice stage ended the failed answer itself
                     raise
                 if step.finish_reason:
-                    ended = True  # a talker that stopped before the thinker sends no more
+                    held = False  # its last request has been answered to the end
                     yield choice, replace(step, text="", logprobs=None, rows={})
                     return
             raise errors.internal("the chat stream ended before its final response")
         finally:
-            if started and not ended:
-                await self.backend.cancel(key, generation.request_id)
-            await generation.close()
+            try:
+                if held:
+                    await self.backend.cancel(key, generation.request_id)
+            finally:
+                await generation.close()
 
     def _first(self, choice: Choice, step: Step) -> dict[str, np.ndarray]:
         """The first request's extras: voice, seed, the thinker prompt's length, its M-RoPE ids and its media

@@ -60,6 +60,8 @@ class Code2WavSettings(SettingGroup):
     vocoder_context: int = setting(16, "mel frames of the window on each side of a chunk the vocoder also reads",
                                    low=0)
     max_batch: int = setting(16, "chunks computed in one step at most", low=1)
+    max_delay_steps: int = setting(0, "talker steps a ready chunk may wait while the talker has work, so that other "
+                                   "answers' chunks join its batch; 0: computed at the next step", low=0)
     num_steps: int = setting(10, "time points of the DiT's flow (transformers' default 10: nine Runge-Kutta steps of "
                              "four DiT evaluations); fewer is faster and rougher", low=2)
 

@@ -9,6 +9,7 @@ One thread drives it.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,6 +40,8 @@ class OmniVoice:
         self.talker = LLMEngine(engine_config(str(folder), talker, device=device, dtype=dtype))
         self.code2wav = Code2Wav(folder, code2wav, device=device)
         self.feeds: dict[str, tuple[ReplyFeed, int]] = {}
+        self.talker_batch_sizes: Counter[int] = Counter()  # talker steps per number of answers that got a token
+        self._held_steps = 0  # talker steps code2wav had a ready chunk and waited (Code2WavSettings.max_delay_steps)
 
     def start(self, request_id: str, voice: str, seed: int, num_prompt_tokens: int,
               prompt_positions: torch.Tensor | None = None, media_positions: torch.Tensor | None = None) -> None:
@@ -88,9 +91,13 @@ class OmniVoice:
 
     def step(self) -> list[Chunk]:
         """One talker step and one code2wav step: the chunks ready (an answer's last has `final`; a failed
-        answer's only remaining one has `error`)."""
+        answer's only remaining one has `error`). While the talker has work, a ready chunk may wait up to
+        `max_delay_steps` talker steps for other answers' chunks to batch with."""
         failed = []
-        for output in self.talker.step():
+        outputs = self.talker.step()
+        if outputs:
+            self.talker_batch_sizes[len(outputs)] += 1
+        for output in outputs:
             if output.finish_reason == "error":
                 failed.append(Chunk(output.request_id, -1, torch.zeros(0), True, f"talker failed: {output.error}"))
                 continue
@@ -101,11 +108,20 @@ class OmniVoice:
                 failed.append(Chunk(output.request_id, -1, torch.zeros(0), True, f"code2wav refused: {exc}"))
         for chunk in failed:
             self.abort(chunk.request_id)
+        if outputs and self.code2wav.has_work() and self._held_steps < self.code2wav.settings.max_delay_steps:
+            self._held_steps += 1
+            return failed
+        self._held_steps = 0
         chunks = self.code2wav.step()
         for chunk in chunks:
             if chunk.final:
                 self.feeds.pop(chunk.request_id, None)
         return failed + chunks
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """The talker engine's KV cache blocks in use, and in all."""
+        runner = self.talker.runner
+        return runner.num_blocks - runner.block_manager.num_free_blocks, runner.num_blocks
 
     def abort(self, request_id: str) -> None:
         """Stop an answer in both engines and free its KV blocks."""

@@ -19,7 +19,9 @@ then the final flag; the last one (finish_reason set) streams every chunk that f
 `finish_reason`. A talker or code2wav failure ends that answer alone with an INTERNAL error.
 
 `VoiceWorker` owns the OmniVoice on one thread: `execute` only parses a request and queues it; the worker applies
-what is queued between its steps, so a request never waits for a step to finish.
+what is queued between its steps, so a request never waits for a step to finish. It also publishes the stage's
+metrics (ops/metrics.py `VoiceMetrics`: talker KV blocks, answers held, batch sizes, time to first audio)
+at most every PUBLISH_INTERVAL_S while busy, and once more before it waits idle.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ import json
 import queue
 import random
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
 from omni_backend import tensor_names as T
 from omni_backend.engine.models import registry
+from omni_backend.ops.metrics import VoiceStats
 from omni_backend.settings import parse_field
 from omni_backend.stages.code2wav import Chunk, Code2WavSettings
 from omni_backend.stages.talker import SPEAKER_FILE, TalkerSettings
@@ -47,6 +52,7 @@ INPUT_NAMES = (T.STREAM_KEY, T.CANCEL, T.VOICE, T.SEED, T.PROMPT_TOKENS, T.PROMP
                T.HIDDEN_STATES, T.INPUT_EMBEDS, T.FINISH_REASON)
 OUTPUT_NAMES = (T.WAVEFORM, T.SAMPLE_RATE, T.CHUNK_INDEX, T.FINISH_REASON)
 FINAL_REASON = "stop"  # the finish_reason of an answer's last chunk
+PUBLISH_INTERVAL_S = 0.5
 
 
 class ChunkSink(Protocol):
@@ -73,6 +79,11 @@ class Voice(Protocol):
     def step(self) -> list[Chunk]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def kv_blocks(self) -> tuple[int, int]: ...
+
+    talker_batch_sizes: Counter  # talker steps per batch size
+    code2wav: Any  # its `batch_sizes` Counter: DiT calls per batch size
 
 
 @dataclass
@@ -149,11 +160,20 @@ class VoiceWorker:
         voices: the voice names it speaks (for `check` requests; unknown ones are refused naming these).
         sample_rate: the waveform's samples per second.
         start: start the thread now (tests may queue requests first).
+        publish: where the metrics snapshots go (`VoiceMetrics.publish`), None: nowhere.
     """
 
-    def __init__(self, voice: Voice, voices: tuple[str, ...], sample_rate: int, start: bool = True):
+    def __init__(self, voice: Voice, voices: tuple[str, ...], sample_rate: int, start: bool = True,
+                 publish: Callable[[VoiceStats], None] | None = None):
         self.voice, self.voices, self.sample_rate = voice, voices, sample_rate
         self.answers: dict[str, _Answer] = {}
+        self.publish = publish
+        self._started: dict[str, float] = {}  # answers without a chunk yet: when their first request was applied
+        self._first_audio: list[float] = []
+        self._cancelled = 0
+        self._batches = (Counter(), Counter())  # the talker's and code2wav's batch sizes at the last snapshot
+        self._published_at = 0.0
+        self._dirty = False
         self._inbox: queue.SimpleQueue[tuple[VoiceRequest, ChunkSink] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="voice-worker", daemon=True)
         if start:
@@ -187,18 +207,40 @@ class VoiceWorker:
         """Apply the queued requests (waiting for one when `block` and there is nothing to step), then one step
         when there is work; False once shut down. The worker thread's loop body (tests call it directly)."""
         while True:
+            idle = not self.voice.has_work()
+            if block and idle and self._inbox.empty():
+                self._snapshot(force=True)
             try:
-                item = self._inbox.get(block=block and not self.voice.has_work())
+                item = self._inbox.get(block=block and idle)
             except queue.Empty:
                 break
             if item is None:
                 return False
             self._apply(*item)
-            block = False
+            self._dirty, block = True, False
         if self.voice.has_work():
             for chunk in self.voice.step():
+                started = self._started.pop(chunk.request_id, None)
+                if started is not None:
+                    self._first_audio.append(time.monotonic() - started)
                 self._deliver(chunk)
+            self._dirty = True
+        self._snapshot(force=False)
         return True
+
+    def _snapshot(self, force: bool) -> None:
+        """Publish the metrics when something changed and PUBLISH_INTERVAL_S passed (or `force`)."""
+        now = time.monotonic()
+        if self.publish is None or not self._dirty or (not force and now - self._published_at < PUBLISH_INTERVAL_S):
+            return
+        now_sizes = (self.voice.talker_batch_sizes, self.voice.code2wav.batch_sizes)
+        talker, code2wav = ([size for size, count in (new - old).items() for _ in range(count)]
+                            for new, old in zip(now_sizes, self._batches))
+        self._batches = tuple(Counter(sizes) for sizes in now_sizes)
+        used, total = self.voice.kv_blocks()
+        stats = VoiceStats(used, total, len(self.answers), talker, code2wav, self._first_audio, self._cancelled)
+        self._first_audio, self._cancelled, self._published_at, self._dirty = [], 0, now, False
+        self.publish(stats)
 
     def _loop(self) -> None:
         while self.run_once(block=True):
@@ -207,7 +249,9 @@ class VoiceWorker:
     def _apply(self, request: VoiceRequest, sink: ChunkSink) -> None:
         if request.kind == "cancel":
             self.voice.abort(request.key)
+            self._started.pop(request.key, None)
             answer = self.answers.pop(request.key, None)
+            self._cancelled += answer is not None
             if answer is not None and answer.listener is not None:
                 answer.listener.close()
             sink.close()
@@ -221,9 +265,11 @@ class VoiceWorker:
                 self.voice.start(request.key, request.voice, seed, request.prompt_tokens, request.prompt_positions,
                                  request.media_positions)
                 self.answers[request.key] = _Answer()
+                self._started[request.key] = time.monotonic()
             self.voice.push(request.key, request.hidden, request.embeds, request.finished)
         except Exception as exc:  # bad rows or a refused start: this answer ends
             self.voice.abort(request.key)
+            self._started.pop(request.key, None)
             self.answers.pop(request.key, None)
             sink.fail(exc)
             return
@@ -272,10 +318,12 @@ def has_talker(folder: str | Path) -> bool:
             and (Path(folder) / SPEAKER_FILE).is_file())
 
 
-def build_worker(parameters: dict[str, str]) -> VoiceWorker | None:
+def build_worker(parameters: dict[str, str], publish: Callable[[VoiceStats], None] | None = None
+                 ) -> VoiceWorker | None:
     """The voice model's worker from its string parameters: `model_path` (the llm's checkpoint), `device`, `dtype`
     and the `talker_<field>` / `code2wav_<field>` settings; None when the checkpoint has no talker (the model then
-    answers every request UNAVAILABLE, and the entry points speak with the tts stage).
+    answers every request UNAVAILABLE, and the entry points speak with the tts stage). `publish`: where the
+    worker's metrics snapshots go.
 
     Raises:
         ValueError: a setting's value that is not allowed; what `OmniVoice` raises for a broken checkpoint.
@@ -291,4 +339,4 @@ def build_worker(parameters: dict[str, str]) -> VoiceWorker | None:
     if not has_talker(folder):
         return None
     voice = OmniVoice(folder, talker, code2wav, device=resolve_device(device), dtype=dtype)
-    return VoiceWorker(voice, tuple(voice.inputs.speakers.table), voice.code2wav.sample_rate)
+    return VoiceWorker(voice, tuple(voice.inputs.speakers.table), voice.code2wav.sample_rate, publish=publish)

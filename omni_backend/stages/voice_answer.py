@@ -85,8 +85,8 @@ class VoiceAnswer:
         self.key = np.array([key.encode()], dtype=np.object_)
         self.first = {T.VOICE: voice, **({T.SEED: np.array([seed], np.int64)} if seed is not None else {}),
                       **({T.PROMPT_POSITIONS: prompt_positions} if prompt_positions is not None else {})}
-        self.started = False  # the voice stage holds this answer
-        self.ended = False  # its last chunk came (or it failed there)
+        self.started = False  # its first request went to the voice stage
+        self.ended = False  # its last request was answered to the end (or it failed there)
 
     def speak(self, response: dict[str, np.ndarray]) -> None:
         """One llm response: its text to the client, its rows to the voice stage and the chunks ready to the client;
@@ -111,7 +111,6 @@ class VoiceAnswer:
                 if self.client.cancelled:
                     self.cancel()  # before closing `chunks`, which waits for the voice stream's end
                     return
-                self.ended = bool(one_value(chunk, T.FINISH_REASON, str, ""))
                 waveform = chunk[T.WAVEFORM].reshape(-1)
                 self.client.send({T.TEXT_OUTPUT: string_tensor(""), T.WAVEFORM: waveform, T.AUDIO: to_int16(waveform),
                                   T.SAMPLE_RATE: chunk[T.SAMPLE_RATE], T.CHUNK_INDEX: chunk[T.CHUNK_INDEX],
@@ -122,12 +121,12 @@ class VoiceAnswer:
         finally:
             chunks.close()
         if finish and not self.client.cancelled:
-            self.ended = True  # a talker that stopped before its thinker ended sends no more chunks
+            self.ended = True
             self.client.send({T.TEXT_OUTPUT: string_tensor(""), T.FINISH_REASON: response[T.FINISH_REASON],
                               **{name: response[name] for name in COUNT_NAMES if name in response}}, True)
 
     def cancel(self) -> None:
-        """End the answer in the voice stage (both engines' KV freed), if it is there."""
+        """End the answer in the voice stage (both engines' KV freed) unless its last request was answered."""
         if self.started and not self.ended:
             self.ended = True
             for _ in self.stages.stream(self.model, {T.CANCEL: self.key}, (), self.client.request_id):

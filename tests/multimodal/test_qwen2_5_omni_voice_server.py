@@ -8,7 +8,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
+import urllib.request
 import wave
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from helpers.chat_client import make_inputs, stream_inputs
 from helpers.front_door import FrontDoorThread, front_door_config
+from helpers.llm_metrics import wait_for
 from helpers.triton_server import start_tritonserver
 
 from omni_backend import repository
@@ -37,7 +41,7 @@ def served(tmp_path_factory):
                                  kv_cache_bytes=16 * 1024 * 1024, max_num_seqs=4, max_model_len=1024,
                                  talker_kv_cache_bytes=4 * 1024 * 1024, talker_max_codec_tokens=CODEC_TOKENS,
                                  code2wav_num_steps=2, code2wav_vocoder_context=0, code2wav_future_blocks=0,
-                                 code2wav_chunk_blocks=1)
+                                 code2wav_chunk_blocks=1, code2wav_max_delay_steps=16)
     config = root / "model_repository" / "voice" / "config.pbtxt"
     config.write_text(config.read_text() + 'parameters { key: "talker_greedy" value: { string_value: "true" } }\n')
     server = start_tritonserver(root)
@@ -122,3 +126,54 @@ def test_an_unknown_voice_is_a_400_naming_the_models_voices(served):
     error = refused.json()["error"]
     assert error["param"] == "audio.voice" and "its voices: Chelsie, Ethan" in error["message"]
     assert chat(url, voice="ethan").status_code == 200  # any case
+
+
+def voice_metrics(server) -> dict[str, float]:
+    """The voice stage's metrics: gauges and counters by name, histograms as <name>_count and <name>_le1 (the
+    observations of 1)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = {}
+    for name in ("omni_talker_kv_cache_blocks_used", "omni_voice_answers", "omni_voice_cancelled_total",
+                 "omni_talker_batch_size_count", "omni_code2wav_batch_size_count",
+                 "omni_voice_time_to_first_audio_seconds_count"):
+        match = re.search(rf'^{name}{{[^}}]*model="voice"[^}}]*}} (\S+)$', text, re.MULTILINE)
+        values[name] = float(match.group(1)) if match else 0.0
+    for name in ("omni_talker_batch_size", "omni_code2wav_batch_size"):
+        match = re.search(rf'^{name}_bucket{{[^}}]*le="1(?:\.0)?"[^}}]*}} (\S+)$', text, re.MULTILINE)
+        values[f"{name}_le1"] = float(match.group(1)) if match else 0.0
+    return values
+
+
+def test_concurrent_answers_are_batched_in_the_talker_and_code2wav(served):
+    """Three answers at once: each is whole (the greedy talker gives each the same codes: same length), and the
+    metrics show talker steps and code2wav calls that served more than one answer, a first audio per answer, and the
+    talker's KV blocks free after."""
+    _, server, url = served
+    before = voice_metrics(server)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: chat(url, audio_format="pcm16"), range(3)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    lengths = {len(base64.b64decode(a.json()["choices"][0]["message"]["audio"]["data"])) for a in answers}
+    assert len(lengths) == 1 and lengths.pop() > 0
+    after = wait_for(lambda: (m := voice_metrics(server))["omni_voice_answers"] == 0 and m, 10)
+    assert after, voice_metrics(server)
+    for name in ("omni_talker_batch_size", "omni_code2wav_batch_size"):
+        calls = after[f"{name}_count"] - before[f"{name}_count"]
+        alone = after[f"{name}_le1"] - before[f"{name}_le1"]
+        assert calls > alone, f"no {name} above 1: {after}"
+    assert after["omni_voice_time_to_first_audio_seconds_count"] - before[
+        "omni_voice_time_to_first_audio_seconds_count"] == 3
+    assert after["omni_talker_kv_cache_blocks_used"] == 0
+
+
+def test_a_client_that_goes_away_ends_its_answer_in_the_voice_stage(served):
+    _, server, url = served
+    before = voice_metrics(server)["omni_voice_cancelled_total"]
+    response = chat(url, stream=True, audio_format="pcm16")
+    assert response.status_code == 200
+    next(line for line in response.iter_lines() if line.startswith(b"data: "))
+    response.close()  # before its audio: the answer is still being spoken
+    idle = wait_for(lambda: (m := voice_metrics(server))["omni_voice_cancelled_total"] == before + 1
+                    and m["omni_voice_answers"] == 0 and m, 10)
+    assert idle and idle["omni_talker_kv_cache_blocks_used"] == 0, voice_metrics(server)
+    assert chat(url).status_code == 200

@@ -93,7 +93,9 @@ def test_an_answer_streams_through_its_requests_and_equals_omni_voice_driven_dir
         expected += direct.step()
     expected_wave = torch.cat([chunk.audio for chunk in expected]).numpy()
 
-    worker = VoiceWorker(make_voice(folder, codec_tokens=CODEC_TOKENS), ("Chelsie", "Ethan"), 24000, start=False)
+    snapshots = []
+    worker = VoiceWorker(make_voice(folder, codec_tokens=CODEC_TOKENS), ("Chelsie", "Ethan"), 24000, start=False,
+                         publish=snapshots.append)
     first, second, last = Sink(), Sink(), Sink()
     worker.submit(push("a", hidden[:-1], embeds[:-1], first=True), first)
     drain(worker)  # until the talker waits for the thinker's next row
@@ -110,12 +112,19 @@ def test_an_answer_streams_through_its_requests_and_equals_omni_voice_driven_dir
     joined = np.concatenate([second.waveform(), last.waveform()])
     np.testing.assert_array_equal(joined, expected_wave)
     assert worker.answers == {} and not worker.voice.has_work()
+    worker._snapshot(force=True)
+    assert sum(len(snap.first_audio_s) for snap in snapshots) == 1
+    assert [size for snap in snapshots for size in snap.code2wav_batches] == [1] * len(expected)
     talker = worker.voice.talker.runner
     assert talker.block_manager.num_free_blocks == talker.num_blocks
 
 
 def test_a_cancel_frees_the_answer_in_both_engines_and_ends_its_streaming_request(folder):
-    worker = VoiceWorker(make_voice(folder, codec_tokens=400), ("Chelsie", "Ethan"), 24000, start=False)
+    """Also the metrics snapshots: the talker's blocks in use and the answer while it runs, none after the cancel
+    (published before the worker waits idle)."""
+    snapshots = []
+    worker = VoiceWorker(make_voice(folder, codec_tokens=400), ("Chelsie", "Ethan"), 24000, start=False,
+                         publish=snapshots.append)
     hidden, embeds = rows(PROMPT + 2, worker.voice.inputs.width, seed=1)
     listener, cancel = Sink(), Sink()
     worker.submit(push("b", hidden, embeds, finish="stop", first=True), listener)
@@ -123,8 +132,16 @@ def test_a_cancel_frees_the_answer_in_both_engines_and_ends_its_streaming_reques
         worker.run_once(block=False)
     talker = worker.voice.talker.runner
     assert talker.block_manager.num_free_blocks < talker.num_blocks
+    worker._snapshot(force=True)
+    running = snapshots[-1]
+    assert running.talker_kv_blocks_used == talker.num_blocks - talker.block_manager.num_free_blocks > 0
+    assert running.answers == 1 and running.talker_kv_blocks_total == talker.num_blocks
+    codes = len(worker.voice.code2wav.answers["b"].codes)  # one per talker step that gave the answer a token
+    assert [size for snap in snapshots for size in snap.talker_batches] == [1] * codes and codes > 0
     worker.submit({"cancel": string_tensor("b")}, cancel)
     worker.run_once(block=False)
+    worker._snapshot(force=True)
+    assert (snapshots[-1].talker_kv_blocks_used, snapshots[-1].answers, snapshots[-1].cancelled) == (0, 0, 1)
     assert cancel.closed == 1 and listener.closed == 1 and not listener.errors
     assert talker.block_manager.num_free_blocks == talker.num_blocks
     assert worker.answers == {} and worker.voice.feeds == {} and not worker.voice.has_work()

@@ -6,6 +6,7 @@ and sends the chunks.
 
 import triton_python_backend_utils as pb_utils
 
+from omni_backend.ops.metrics import VoiceMetrics
 from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, start_heartbeat, string_parameters
 from omni_backend.stages.voice import INPUT_NAMES, build_worker
 from omni_backend.vocabulary import ErrorKind, StageError
@@ -13,7 +14,8 @@ from omni_backend.vocabulary import ErrorKind, StageError
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.worker = build_worker(string_parameters(args))
+        self.metrics = VoiceMetrics(pb_utils, args["model_name"], args["model_version"])
+        self.worker = build_worker(string_parameters(args), self.metrics.publish)
         self.retired = Retired()  # response senders, freed a few seconds after their final flag
         self.heartbeat = start_heartbeat(pb_utils, args)
 

@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import re
+import time
 import urllib.request
 import wave
 from concurrent.futures import ThreadPoolExecutor
@@ -144,19 +145,31 @@ def voice_metrics(server) -> dict[str, float]:
     return values
 
 
+def settled(server) -> dict[str, float]:
+    """The voice metrics once two reads 0.3 s apart agree (the stage publishes a finished answer's last snapshot
+    a moment after its last chunk went out)."""
+    def same():
+        first = voice_metrics(server)
+        time.sleep(0.3)
+        return first == voice_metrics(server) and first
+
+    values = wait_for(same, 10, 0)
+    assert values, "the voice metrics do not settle"
+    return values
+
+
 def test_concurrent_answers_are_batched_in_the_talker_and_code2wav(served):
     """Three answers at once: each is whole (the greedy talker gives each the same codes: same length), and the
     metrics show talker steps and code2wav calls that served more than one answer, a first audio per answer, and the
     talker's KV blocks free after."""
     _, server, url = served
-    before = voice_metrics(server)
+    before = settled(server)
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(lambda _: chat(url, audio_format="pcm16"), range(3)))
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
     lengths = {len(base64.b64decode(a.json()["choices"][0]["message"]["audio"]["data"])) for a in answers}
     assert len(lengths) == 1 and lengths.pop() > 0
-    after = wait_for(lambda: (m := voice_metrics(server))["omni_voice_answers"] == 0 and m, 10)
-    assert after, voice_metrics(server)
+    after = settled(server)
     for name in ("omni_talker_batch_size", "omni_code2wav_batch_size"):
         calls = after[f"{name}_count"] - before[f"{name}_count"]
         alone = after[f"{name}_le1"] - before[f"{name}_le1"]
@@ -167,12 +180,14 @@ def test_concurrent_answers_are_batched_in_the_talker_and_code2wav(served):
 
 
 def test_a_client_that_goes_away_ends_its_answer_in_the_voice_stage(served):
+    """The client leaves at its first audio delta, while the thinker still writes its 900 tokens (the voice stage
+    holds an answer until its last rows): the front door cancels it there, the talker's KV blocks are freed."""
     _, server, url = served
-    before = voice_metrics(server)["omni_voice_cancelled_total"]
-    response = chat(url, stream=True, audio_format="pcm16")
+    before = settled(server)["omni_voice_cancelled_total"]
+    response = chat(url, stream=True, audio_format="pcm16", max_tokens=900)
     assert response.status_code == 200
-    next(line for line in response.iter_lines() if line.startswith(b"data: "))
-    response.close()  # before its audio: the answer is still being spoken
+    next(line for line in response.iter_lines() if b'"data": "' in line)
+    response.close()
     idle = wait_for(lambda: (m := voice_metrics(server))["omni_voice_cancelled_total"] == before + 1
                     and m["omni_voice_answers"] == 0 and m, 10)
     assert idle and idle["omni_talker_kv_cache_blocks_used"] == 0, voice_metrics(server)

@@ -181,3 +181,23 @@ def test_the_stage_is_built_only_for_a_checkpoint_with_a_talker(folder, tmp_path
         assert worker.voice.code2wav.settings.num_steps == 2
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("delay, batches", [(0, {1: 2}), (8, {2: 1})])
+def test_a_ready_chunk_waits_up_to_max_delay_steps_for_others_to_batch_with(folder, delay, batches):
+    """Two answers of one chunk each (12 codec tokens), the second started 3 talker steps after the first: at
+    once, two DiT calls of one; allowed to wait 8 talker steps, one call of both."""
+    voice = OmniVoice(folder, TalkerSettings(max_num_seqs=4, greedy=True, max_codec_tokens=12),
+                      Code2WavSettings(chunk_blocks=1, future_blocks=0, vocoder_context=0, num_steps=2,
+                                       max_delay_steps=delay), dtype="float32")
+    hidden, embeds = rows(PROMPT + 13, voice.inputs.width, seed=3)
+    chunks = []
+    for request_id in ("first", "second"):
+        voice.start(request_id, "Chelsie", SEED, PROMPT)
+        voice.push(request_id, hidden, embeds, finished=True)
+        for _ in range(3):
+            chunks += voice.step()
+    while voice.has_work():
+        chunks += voice.step()
+    assert dict(voice.code2wav.batch_sizes) == batches
+    assert sorted(c.request_id for c in chunks if c.final) == ["first", "second"]

@@ -9,9 +9,9 @@ with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (`s
 
 Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
 read as true or 16; a number without a fraction is an integer (`16.0` is 16: JSON has one number type, and JSON
-Schema, which the published OpenAPI document is written in, counts 16.0 as an integer). `null` means the default for every field the OpenAI API reference marks nullable (all the
-optional settings here, plus `user`); `model`, `messages`, `prompt` and the extension `ignore_eos` must not be
-null. A validation error becomes a 400 that names the field (`schema_error`).
+Schema, which the published OpenAPI document is written in, counts 16.0 as an integer). `null` means the default
+for every field the OpenAI API reference marks nullable (all the optional settings here, plus `user`); `model`,
+`messages`, `prompt` and the extension `ignore_eos` must not be null. A validation error becomes a 400 that names the field (`schema_error`).
 
 No field is silently dropped when it would change the answer. Every top-level field is one of: modelled here and
 served (some only in part: tools, response_format other than text, logit_bias, suffix and best_of other than n are
@@ -29,7 +29,6 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import annotated_types
-
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from omni_backend import tensor_names as T

@@ -8,9 +8,10 @@ A chat request with `audio` or with "audio" among its `modalities` asks for a sp
 with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (`speech_voice`, `speech_format`).
 
 Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
-read as true or 16. `null` means the default for every field the OpenAI API reference marks nullable (all the
-optional settings here, plus `user`); `model`, `messages`, `prompt` and the extension `ignore_eos` must not be
-null. A validation error becomes a 400 that names the field (`schema_error`).
+read as true or 16; a number without a fraction is an integer (`16.0` is 16: JSON has one number type, and JSON
+Schema, which the published OpenAPI document is written in, counts 16.0 as an integer). `null` means the default
+for every field the OpenAI API reference marks nullable (all the optional settings here, plus `user`); `model`,
+`messages`, `prompt` and the extension `ignore_eos` must not be null. A validation error becomes a 400 that names the field (`schema_error`).
 
 No field is silently dropped when it would change the answer. Every top-level field is one of: modelled here and
 served (some only in part: tools, response_format other than text, logit_bias, suffix and best_of other than n are
@@ -25,12 +26,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import annotated_types
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from omni_backend import tensor_names as T
-from omni_backend.serving.errors import OpenAIError, invalid
+from omni_backend.serving.errors import OpenAIError, integral, invalid
 from omni_backend.serving.generation import GenerationRequest, Prompt
 from omni_backend.stages import tts_audio
 from omni_backend.stages.tts_options import SpeechOptions, resolve_voice
@@ -42,8 +44,8 @@ MEDIA_PARTS = ("image_url", "input_audio", "video_url")  # content parts sent on
 CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI's name -> tts_audio's
 
 
-def setting(param: str, default=None):
-    """A pydantic Field for the sampling setting `param`, bounded by the vocabulary's `allowed` range
+def setting_bounds(param: str) -> dict[str, float]:
+    """Pydantic's bounds (`ge`/`gt`, `le`) of the sampling setting `param`: the vocabulary's `allowed` range
     (SamplingParams' range within what its tensor's type holds)."""
     allowed = BY_PARAM[param].allowed
     bounds: dict[str, float] = {}
@@ -51,7 +53,27 @@ def setting(param: str, default=None):
         bounds["gt" if allowed.low_open else "ge"] = allowed.low
     if allowed.high is not None:
         bounds["le"] = allowed.high
-    return Field(default, **bounds)
+    return bounds
+
+
+def setting(param: str, default=None):
+    """A pydantic Field for the (float) sampling setting `param`, within `setting_bounds(param)`."""
+    return Field(default, **setting_bounds(param))
+
+
+def integer(**bounds: float) -> Any:
+    """A JSON integer type within pydantic `bounds` (`ge=0, le=5`): strict (no strings, no booleans), 16.0 is 16.
+    The bounds come before the validator: Pydantic then writes them into the JSON schema as minimum/maximum (also
+    where the type is in a union with None)."""
+    return Annotated[(int, *annotated_types.Interval(**bounds), BeforeValidator(integral))]
+
+
+Count = integer(ge=1, le=MAX_N)
+Seed = integer(**setting_bounds("seed"))
+TopK = integer(**setting_bounds("top_k"))
+MaxTokens = integer(**setting_bounds("max_tokens"))
+TopLogprobs = integer(**setting_bounds("logprobs"))
+TokenId = integer()  # prompts() names one beyond INT32
 
 
 class StreamOptions(BaseModel):
@@ -123,14 +145,14 @@ class _Request(BaseModel):
     frequency_penalty: float | None = setting("frequency_penalty")
     presence_penalty: float | None = setting("presence_penalty")
     repetition_penalty: float | None = setting("repetition_penalty")
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = setting("seed")
+    n: Count = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = setting("temperature")
     top_p: float | None = setting("top_p")
-    top_k: int | None = setting("top_k")
+    top_k: TopK | None = None
     min_p: float | None = setting("min_p")
     ignore_eos: bool = False
     user: str | None = None
@@ -200,10 +222,10 @@ class AudioOutput(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
-    max_tokens: int | None = setting("max_tokens")
-    max_completion_tokens: int | None = setting("max_tokens")
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = setting("logprobs")
+    top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -235,7 +257,7 @@ class ChatCompletionRequest(_Request):
         if not self.messages:
             raise invalid("messages must be a non-empty list", "messages")
         for i, message in enumerate(self.messages):
-            calls = message.tool_calls or message.function_call
+            calls = message.tool_calls or message.function_call is not None  # {} asks for a call too
             if message.content is None and not (message.role == "assistant" and calls):
                 raise invalid(f"messages[{i}].content is required: a string or a list of content parts (only an "
                               "assistant message with tool_calls may leave it out)", f"messages[{i}].content")
@@ -320,11 +342,11 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0, le=DATATYPE_RANGES["INT32"].high)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: integer(ge=0, le=DATATYPE_RANGES["INT32"].high) = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
+    logprobs: integer(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = None
+    best_of: integer(ge=1) | None = None
     suffix: str | None = None
 
     NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"prompt"}

@@ -51,6 +51,7 @@
 #define OMNI_AMX 1
 #endif
 
+#include "cpu_math.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -59,6 +60,7 @@ using omni::load_vec;
 using omni::splat;
 using omni::store_vec;
 using omni::vf;
+using omni::bf16_bits;
 using omni::VEC;
 
 #if defined(__AVX512F__)
@@ -77,13 +79,6 @@ struct Bf16Pair {
 template <typename Weight>
 using Input = std::conditional_t<std::is_same_v<Weight, Bf16Pair>, Bf16Pair, float>;
 
-// float32 -> bfloat16 bits, rounded to nearest even (as torch's .to(torch.bfloat16)); a NaN stays a quiet NaN.
-inline uint32_t bf16_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bits >> 16) | 0x40u;
-  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-}
 
 // Write an R x NR tile (columns [0, cols)) of accumulators to y: y = scale * acc + bias (+ y).
 template <int R>

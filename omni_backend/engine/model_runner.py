@@ -62,9 +62,10 @@ class ModelRunner:
             CPU step run its language model (`registry.language_model`).
         attention: the attention backend every layer calls (`attention/selector.py`).
         attention_backend: its name, "cpu", "torch" or "triton"; attention_reason: why it was chosen.
-        matmuls: what runs the projections and the output head: "cpu-kernels-float32" / "cpu-kernels-int8" (the
-            C++ kernels of kernels/linear_cpu.py, through the CPU step the registry names), "onednn-packed" (CPU:
-            bfloat16/float16, or a model without a CPU step), "torch" (GPUs, and CPUs where neither is available).
+        matmuls: what runs the projections and the output head: "cpu-kernels-float32" / "cpu-kernels-int8" /
+            "cpu-kernels-bfloat16" (the C++ kernels of kernels/linear_cpu.py, through the CPU step the registry
+            names; bfloat16 where the CPU has AVX512-BF16), "onednn-packed" (CPU: float16, bfloat16 without
+            AVX512-BF16, or a model without a CPU step), "torch" (GPUs, and CPUs where neither is available).
         fallback_reason: why the attention backend or the matmuls are not the ones chosen first ("" when they
             are; both reasons joined by "; ").
         graph_runner: the decode CUDA graphs, None when decode runs eagerly (CPU, enforce_eager, torch backend).
@@ -159,10 +160,11 @@ class ModelRunner:
         return model.eval()
 
     def _use_cpu_matmuls(self, model: LlamaForCausalLM) -> None:
-        """The CPU step's matmuls (`matmuls`): for float32 the C++ kernels through the CPU step the registry names
-        for the model (models/llama_cpu.py; int8 panels with quantization "int8"); where they cannot be built, a
-        WARNING, the reason in `fallback_reason`, and oneDNN's packed weights as for bfloat16/float16 and for a
-        model without a CPU step; unpacked torch weights where oneDNN cannot pack the dtype either.
+        """The CPU step's matmuls (`matmuls`): for float32 and bfloat16 the C++ kernels through the CPU step the
+        registry names for the model (models/llama_cpu.py; int8 panels with quantization "int8", bfloat16 panels
+        and KV cache for bfloat16); where they cannot be built (bfloat16: a CPU without AVX512-BF16), a WARNING,
+        the reason in `fallback_reason`, and oneDNN's packed weights as for float16 and for a model without a CPU
+        step; unpacked torch weights where oneDNN cannot pack the dtype either.
 
         Raises:
             CpuKernelUnavailable: quantization "int8" and the C++ kernels cannot be built.
@@ -175,10 +177,11 @@ class ModelRunner:
                 raise ValueError(f"quantization {quantization} runs in a C++ CPU step, which the registry names "
                                  f"none for {self.language_model.name}")
             logger.info("CPU matmuls: %s has no C++ CPU step, its torch modules run", self.language_model.name)
-        elif self.dtype == torch.float32:
+        elif self.dtype in (torch.float32, torch.bfloat16):
+            weight_format = "bfloat16" if self.dtype == torch.bfloat16 else \
+                "int8" if quantization == "int8" else "float32"
             try:
-                forward = registry.load(step).build(model, paths.cache_dir() / "kernels",
-                                                    "int8" if quantization == "int8" else "float32")
+                forward = registry.load(step).build(model, paths.cache_dir() / "kernels", weight_format)
             except CpuKernelUnavailable as exc:
                 if quantization != "none":
                     raise

@@ -35,8 +35,9 @@ loop and the response thread only append plain records, and `LLMService`'s metri
                                                    version the driver supports, from NVML), its attention backend
                                                    and why the selector chose it (engine/attention/selector.py),
                                                    what runs its matmuls (ModelRunner.matmuls: cpu-kernels-float32,
-                                                   cpu-kernels-int8, onednn-packed, torch) and why its attention
-                                                   backend or matmuls are not the first choice ("" when they are)
+                                                   cpu-kernels-int8, cpu-kernels-bfloat16, onednn-packed, torch) and
+                                                   why its attention backend or matmuls are not the first choice
+                                                   ("" when they are)
     omni_governor_state                 gauge      0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting
     omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
     omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz

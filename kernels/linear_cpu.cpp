@@ -45,12 +45,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define OMNI_AMX 1
-#endif
 
+#include "cpu_amx.h"
 #include "cpu_math.h"
 #include "cpu_simd.h"
 
@@ -278,25 +274,8 @@ constexpr int64_t PAIR_BLOCK = 16;  // bf16 panels hold a multiple of this many 
 static_assert(NR == 32, "the AMX tiles cover a panel with two 16-column tiles");
 constexpr int AMX_ROWS = 32;  // rows of x (and y) per block: two 16-row tiles
 
-// Linux lets a process use the AMX tile data only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
-// XFEATURE_XTILEDATA = 18; Linux Documentation/arch/x86/xstate.rst); the grant is process-wide.
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-}
-
-// Palette 1, tiles 0-7 all 16 rows x 64 bytes: 0-3 y (rows 0-15 / 16-31 x the panel's columns 0-15 / 16-31),
-// 4-5 x (rows 0-15 / 16-31, 32 k), 6-7 the panel (16 k pairs x columns 0-15 / 16-31).
-void configure_tiles() {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-  _tile_loadconfig(&config);
-}
+// Tiles (omni::configure_tiles): 0-3 y (rows 0-15 / 16-31 x the panel's columns 0-15 / 16-31), 4-5 x (rows 0-15 /
+// 16-31, 32 k), 6-7 the panel (16 k pairs x columns 0-15 / 16-31).
 
 // out[AMX_ROWS][NR] = x rows [0, 16 or 32) of a block (pairs, row stride ldx) times one panel over K pairs
 // (a multiple of PAIR_BLOCK).
@@ -335,7 +314,7 @@ void run_amx(const Bf16Pair* x, int64_t M, int64_t K, const Bf16Pair* packed, in
   const int64_t panels = (N + NR - 1) / NR;
 #pragma omp parallel
   {
-    configure_tiles();
+    omni::configure_tiles();
     alignas(64) float block[AMX_ROWS * NR];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
@@ -363,7 +342,7 @@ void run_amx(const Bf16Pair* x, int64_t M, int64_t K, const Bf16Pair* packed, in
 // Which bf16 kernel this build and process run: 2 AMX, 1 vdpbf16ps, 0 none.
 int bf16_kernel() {
 #if defined(OMNI_AMX)
-  if (amx_permitted()) return 2;
+  if (omni::amx_permitted()) return 2;
 #endif
 #if defined(__AVX512BF16__)
   return 1;

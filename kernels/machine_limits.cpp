@@ -1,8 +1,8 @@
-// The CPU's limits: memory bandwidth (a STREAM triad and a read-only pass, each split statically over the calling
-// thread's OpenMP team) and arithmetic peaks, measured with register-only loops (no memory traffic): float32 FMA,
-// AVX512-BF16 dot products (vdpbf16ps) and AMX bf16 tile products (tdpbf16ps). The C ABI below is called through ctypes by
-// kernels/machine_limits.py, which documents the contract; scripts/bench_cpu_step.py reports each decode step
-// against these (a benchmark's yardstick, not used by the engine).
+// The CPU's limits: memory bandwidth (a STREAM triad and a read-only pass, each split statically over the
+// calling thread's OpenMP team) and arithmetic peaks, measured with register-only loops (no memory traffic):
+// float32 FMA, AVX512-BF16 dot products (vdpbf16ps) and AMX bf16 tile products (tdpbf16ps). The C ABI below is
+// called through ctypes by kernels/machine_limits.py, which documents the contract; scripts/bench_cpu_step.py
+// reports each decode step against these (a benchmark's yardstick, not used by the engine).
 //
 // Each loop keeps enough independent accumulators in flight to cover the instruction's latency (FMA: 4-cycle
 // latency x 2 units -> 8 chains, 12 used; vdpbf16ps likewise; AMX: four 16 x 16 accumulator tiles), with the
@@ -16,11 +16,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -127,17 +123,10 @@ double peak_dot_bf16(int64_t iters) {
 // AMX tdpbf16ps (a 16 x 16 float32 tile += 16 x 32 bf16 times 32 x 16 bf16: 8,192 multiply-adds); 0 where the
 // build has no AMX-BF16 or Linux refuses the process its tile state.
 double peak_amx_bf16(int64_t iters) {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0.0;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+#if defined(OMNI_AMX)
+  if (!omni::amx_permitted()) return 0.0;
   return team_rate(2.0 * 16 * 16 * 32 * 4 * iters, [iters] {
-    struct {
-      uint8_t palette, start_row, reserved[14];
-      uint16_t colsb[16];
-      uint8_t rows[16];
-    } config{};
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    omni::configure_tiles();
     for (int64_t it = 0; it < iters; ++it) {
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);

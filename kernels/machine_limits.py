@@ -1,15 +1,14 @@
 """The machine's limits, the yardstick scripts/bench_cpu_step.py measures the CPU step against: memory bandwidth
-(a STREAM-like triad through torch) and the arithmetic peaks of register-only loops (``machine_limits.cpp``:
+(a STREAM-like triad and a read-only pass) and the arithmetic peaks of register-only loops (``machine_limits.cpp``:
 float32 FMA, AVX512-BF16 vdpbf16ps, AMX tdpbf16ps), built on first use (``kernels/cpu_library.py``).
 
-Bandwidth: the triad is STREAM's (J. McCalpin, "Memory Bandwidth and Machine Balance in Current High Performance Computers",
-IEEE TCCA Newsletter, 1995): ``a = b + s * c`` over arrays far larger than the caches, counted as STREAM counts it,
-three arrays of bytes per pass (the write-allocate read of ``a`` not counted). A decode step at batch 1 only reads
-(its weights), and reading alone runs faster than a triad here (no writes to share the memory bus with), so the
-read rate (a sum over one such array) is measured too: the bound a weight-streaming step is held to. Both run on
-the calling thread's OpenMP team, each array `mib` MiB (far beyond the last-level cache), the best of a few passes
-after one that faults the pages in. Peaks are FLOP per second of the
-calling thread's OpenMP team (torch.set_num_threads), a multiply-add counted as 2.
+Bandwidth: the triad is STREAM's (J. McCalpin, "Memory Bandwidth and Machine Balance in Current High Performance
+Computers", IEEE TCCA Newsletter, 1995): ``a = b + s * c`` over arrays far larger than the caches, counted as STREAM
+counts it, three arrays of bytes per pass (the write-allocate read of ``a`` not counted). A decode step at batch 1
+only reads (its weights), so the read rate (a sum over one such array) is measured too: the bound such a step is
+held to. Both run on the calling thread's OpenMP team (torch.set_num_threads), each array `mib` MiB (beyond
+the last-level cache of the machines this project runs on), the best of a few passes after one that faults the
+pages in. Peaks are FLOP per second of the same team, a multiply-add counted as 2.
 """
 
 from __future__ import annotations

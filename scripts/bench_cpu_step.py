@@ -11,8 +11,8 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
   CPUs only);
 - ``onednn-bfloat16``: the torch modules in bfloat16 on oneDNN-packed weights (what bfloat16 ran before).
 
-Machine limits (`kernels/machine_limits.py`, measured once at the start with the same threads): read-only and
-STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps and AMX. Each variant's steps are
+Machine limits (`kernels/machine_limits.py`, measured before every round with the same threads, the best of the
+rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps and AMX. Each variant's steps are
 then reported as fractions of their bounds: batch 1 against the bandwidth bound (the bytes of its packed
 projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache reads at these
 contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul weights FLOP per
@@ -147,11 +147,12 @@ def main() -> None:
     args = parser.parse_args()
     cpu = serving.cpu_info()
     print(f"CPU: {cpu}; {args.threads} torch thread(s)", flush=True)
-    limits = machine_limits(args.threads)
-    print("limits: " + " ".join(f"{k} {v / 1e9:.1f}G" for k, v in limits.items()), flush=True)
     hf_config = None
+    measured_limits = []
     rounds = []
     for r in range(args.rounds):
+        measured_limits.append(machine_limits(args.threads))  # each round: a shared machine's rates drift
+        print("limits: " + " ".join(f"{k} {v / 1e9:.1f}G" for k, v in measured_limits[-1].items()), flush=True)
         order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
         results = {}
         for variant in order:
@@ -176,6 +177,7 @@ def main() -> None:
             ratios = "  speed-up vs onednn: " + " ".join(
                 f"{k} {base[k] / row[k] if k.startswith('decode') else row[k] / base[k]:.2f}x" for k in keys)
         print(f"{variant:16s} " + " ".join(f"{k} {row[k]:.1f}" for k in keys) + ratios)
+    limits = {k: max(rd[k] for rd in measured_limits) for k in measured_limits[0]}  # the best each round saw
     bounds = {variant: fractions(variant, row, limits, hf_config) for variant, row in medians.items()}
     print("\nfractions of the bounds (batch 1: bandwidth; batch 32 and prefill: compute):")
     for variant, row in bounds.items():
@@ -183,7 +185,7 @@ def main() -> None:
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / args.output
     out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "note": args.note,
-                               "limits": limits, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
+                               "limits": limits, "limits_by_round": measured_limits, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
                                "medians": medians, "bounds": bounds, "rounds": rounds, "argv": sys.argv[1:]},
                               indent=2) + "\n")
     print(f"wrote {out}")

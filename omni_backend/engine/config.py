@@ -36,7 +36,8 @@ class EngineConfig(SettingGroup):
                               name="llm_model_path")
     device: str = setting("auto", "auto (cuda when torch can use it, else cpu), cpu, cuda (one llm engine per GPU) "
                           "or cuda:N", pattern=DEVICE_PATTERN, forms="auto, cpu, cuda or cuda:N")
-    dtype: str = setting("auto", "weights and activations; auto picks by device (ops/hardware.py)", choices=DTYPES)
+    dtype: str = setting("auto", "weights and activations; auto picks by device (ops/hardware.py), on CPUs with native "
+                         "bfloat16 by measuring (engine/cpu_dtype.py)", choices=DTYPES)
     block_size: int = setting(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     kv_cache_bytes: int = setting(0, "paged KV cache (K and V, all layers), bytes; 0: 512 MiB on CPU, on a GPU what "
                                   "gpu_memory_utilization leaves (engine/memory.py)", low=0)

@@ -30,13 +30,15 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
     omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,attention_reason,matmuls,
-                      fallback_reason}
+                      fallback_reason,dtype,dtype_reason}
                                         gauge      1; the versions the engine runs with (cuda_driver: the CUDA
                                                    version the driver supports, from NVML), its attention backend
                                                    and why the selector chose it (engine/attention/selector.py),
                                                    what runs its matmuls (ModelRunner.matmuls: cpu-kernels-float32,
-                                                   cpu-kernels-int8, onednn-packed, torch) and why its attention
-                                                   backend or matmuls are not the first choice ("" when they are)
+                                                   cpu-kernels-int8, cpu-kernels-bfloat16, onednn-packed, torch) and
+                                                   why its attention backend or matmuls are not the first choice
+                                                   ("" when they are), its dtype and why (configured, by device,
+                                                   or measured on this CPU: engine/cpu_dtype.py)
     omni_governor_state                 gauge      0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting
     omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
     omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz
@@ -112,7 +114,7 @@ class LLMMetrics:
         attention_backend: name for the `omni_attention_backend` gauge.
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
-            attention_reason, matmuls and fallback_reason); None: the gauge is not published.
+            attention_reason, matmuls, fallback_reason, dtype and dtype_reason); None: the gauge is not published.
     """
 
     def __init__(self, pb_utils, model: str, version: str, attention_backend: str, device: str = "cpu",

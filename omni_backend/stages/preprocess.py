@@ -19,7 +19,9 @@ Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_
                                 must be the assistant's, so that the answer continues it; true together with
                                 add_generation_prompt is refused
     the settings of `omni_backend.vocabulary.SAMPLING_FIELDS` (max_tokens, stream, temperature, top_p, top_k,
-    min_p, random_seed, stop_words, penalties, ignore_eos, logprobs), all optional; ranges are SamplingParams'.
+    min_p, random_seed, stop_words, penalties, ignore_eos, logprobs, guided_decoding_guide_type and
+    guided_decoding_guide), all optional; ranges are SamplingParams'; a guide that cannot compile is refused here
+    (engine/structured_output.py `check_guide`).
     An absent `max_tokens` means the rest of the context (max_model_len - prompt tokens).
 
 Output tensors: `input_ids` INT32 [n_prompt_tokens], `sampling_params` STRING [1] (JSON of
@@ -59,6 +61,7 @@ import numpy as np
 from omni_backend import tensor_names as T
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
+from omni_backend.engine.structured_output import check_guide
 from omni_backend.settings import SettingGroup, parse_field, setting
 from omni_backend.stages.chat_messages import check_template_flags, parse_chat
 from omni_backend.stages.chat_template import ChatTemplate
@@ -70,7 +73,7 @@ TEMPLATE_FLAGS = {T.ADD_GENERATION_PROMPT: True, T.CONTINUE_FINAL_MESSAGE: False
 INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, T.PROMPT_IS_TEXT,
                *TEMPLATE_FLAGS)
 OUTPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.PROMPT_TEXT)
-_PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
+_PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int, "BYTES": str}  # -> one_value's kind
 
 
 @dataclass
@@ -375,7 +378,7 @@ class Preprocessor:
         """
         values = {}
         for field in SAMPLING_FIELDS:
-            if field.datatype == "BYTES":
+            if field.param == "stop":  # the one list-valued setting (stop_words [-1])
                 values[field.param] = text_list(arrays, field.tensor)
             else:
                 values[field.param] = one_value(arrays, field.tensor, _PYTHON_TYPES[field.datatype])
@@ -397,7 +400,10 @@ class Preprocessor:
         check_context_length(self.max_model_len, prompt_tokens, max_tokens)
         room = self.max_model_len - prompt_tokens
         try:
-            return SamplingParams.from_dict({**settings, "max_tokens": room if max_tokens is None else max_tokens})
+            params = SamplingParams.from_dict({**settings, "max_tokens": room if max_tokens is None else max_tokens})
+            if params.guide_type is not None:
+                check_guide(params.guide_type, params.guide)
+            return params
         except InvalidSamplingParam as exc:
             raise FieldError(BY_PARAM[exc.field].tensor, exc.problem) from None
 

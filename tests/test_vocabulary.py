@@ -67,7 +67,8 @@ def test_the_model_configs_declare_the_vocabulary(model):
     assert inputs["text_input"] == (PROMPT_TENSORS["text_input"], False)
     known = {f.tensor for f in SAMPLING_FIELDS} | set(PROMPT_TENSORS)
     extra = {"omni_speech": {"voice", "audio_format", "speed"},
-             "preprocess": {"add_generation_prompt", "continue_final_message", "prompt_is_text"}}.get(model, set())
+             "preprocess": {"add_generation_prompt", "continue_final_message", "prompt_is_text", "tools"}}
+    extra = extra.get(model, set())
     assert set(inputs) - known == extra
 
 

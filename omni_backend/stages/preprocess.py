@@ -67,11 +67,12 @@ from omni_backend.stages.chat_messages import check_template_flags, parse_chat
 from omni_backend.stages.chat_template import ChatTemplate
 from omni_backend.stages.preprocess_media import ENCODER_INPUTS, MediaConfig, empty_media_outputs, media_outputs
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
+from omni_backend.stages.tool_prompt import parse_tools
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
 
 TEMPLATE_FLAGS = {T.ADD_GENERATION_PROMPT: True, T.CONTINUE_FINAL_MESSAGE: False}  # BOOL inputs -> their defaults
 INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, T.PROMPT_IS_TEXT,
-               *TEMPLATE_FLAGS)
+               *TEMPLATE_FLAGS, T.TOOLS)
 OUTPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.PROMPT_TEXT)
 _PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int, "BYTES": str}  # -> one_value's kind
 
@@ -159,14 +160,15 @@ class Preprocessor:
             raise FieldError(T.TEXT_INPUT, "is empty after tokenization")
         return ids
 
-    def tokenize_messages(self, text: str, add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> tuple[list[int], dict[str, np.ndarray]]:
+    def tokenize_messages(self, text: str, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                          tools: list[dict] | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
         """Chat-template token ids of a messages array, with each media part's placeholder run in place; the
         clients' strings are text (`ChatTemplate`).
 
         Args:
             add_generation_prompt: end with the template's opening of an assistant turn.
             continue_final_message: end inside the last message (an assistant's), which the answer continues.
+            tools: OpenAI tool definitions shown to the model (stages/tool_prompt.py), None for none.
 
         Returns:
             (ids, media outputs): the media output tensors (module docstring) of a chat with media parts, else {}.
@@ -185,7 +187,7 @@ class Preprocessor:
         check_template_flags(messages, add_generation_prompt, continue_final_message)
         if media:
             self._decode_media(media)
-        rendered = self.chat.render(messages, add_generation_prompt, continue_final_message)
+        rendered = self.chat.render(messages, add_generation_prompt, continue_final_message, tools)
         pieces = rendered.split(self._marker)
         if len(pieces) != len(media) + 1:
             raise FieldError(T.TEXT_INPUT, "messages: the chat template dropped or repeated a media part")
@@ -422,15 +424,18 @@ class Preprocessor:
         media = {}
         is_messages = arrays.get(T.PROMPT_TOKEN_IDS) is None and not one_value(arrays, T.PROMPT_IS_TEXT, bool, False) \
             and text.lstrip().startswith("[")
+        tools = parse_tools(one_value(arrays, T.TOOLS, str))
         if not is_messages:
             for name, default in TEMPLATE_FLAGS.items():
                 if flags[name] != default:
                     raise FieldError(name, "applies to a messages array only (the prompt is text or token ids)")
+            if tools is not None:
+                raise FieldError(T.TOOLS, "applies to a messages array only (the prompt is text or token ids)")
         if arrays.get(T.PROMPT_TOKEN_IDS) is not None:
             ids = self.check_token_ids(arrays[T.PROMPT_TOKEN_IDS])
             prompt_text = self.tokenizer.decode(ids)
         elif is_messages:
-            ids, media = self.tokenize_messages(text, **flags)
+            ids, media = self.tokenize_messages(text, **flags, tools=tools)
             if not ids:
                 raise FieldError(T.TEXT_INPUT, "is empty after tokenization")
             prompt_text = self.tokenizer.decode(ids)

@@ -117,15 +117,15 @@ def _call(name: str, arguments: str) -> dict:
 
 
 def requested_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolRequest | None:
-    """The checked tools of a chat request, None without tools (and tool_choice absent or "none").
+    """The checked tools of a chat request, None without tools (tool_choice then absent, "none" or "auto").
 
     Raises:
         OpenAIError: 400 naming the field: a tool of the wrong shape, a name twice, parameters that are not a
             valid JSON schema, a tool_choice that is not none/auto/required/a function of `tools`.
     """
     if not tools:
-        if tool_choice not in (None, "none"):
-            raise invalid("tool_choice needs tools", "tool_choice")
+        if tool_choice not in (None, "none", "auto"):  # auto without tools: nothing to call
+            raise invalid(f"tool_choice {json.dumps(tool_choice)} needs tools", "tool_choice")
         return None
     names = []
     for i, tool in enumerate(tools):

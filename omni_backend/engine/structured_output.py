@@ -107,12 +107,9 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = CACHE_SIZE):
-        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                            stop_token_ids=sorted(stop_token_ids))
+        self._tokenizer, self._stop_token_ids = tokenizer, sorted(stop_token_ids)
         self.vocab_size = vocab_size
-        # one compile thread; xgrammar's own thread pool inside a compile stays at 1 too (the engine's step owns
-        # the other cores)
-        self._compiler = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._compiler: xgrammar.GrammarCompiler | None = None  # made by the first compile, on the worker thread
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str | None], Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -144,6 +141,13 @@ class GrammarCompiler:
             self._cache.pop((guide_type, None if guide_type == "json" else guide), None)
 
     def _compile(self, guide_type: str, guide: str | None) -> xgrammar.CompiledGrammar:
+        if self._compiler is None:
+            # the tokenizer's vocabulary as xgrammar reads it (about 0.1 s for 49k tokens): only for an engine that
+            # gets a constrained request; one compile thread, and xgrammar's own pool inside a compile at 1 too
+            # (the engine's step owns the other cores)
+            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self._stop_token_ids)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         start = time.perf_counter()
         compiled = self._compiler.compile_grammar(_grammar(guide_type, guide))
         elapsed = time.perf_counter() - start

@@ -35,6 +35,8 @@ PERSON = {
     },
     "required": ["name", "age", "role", "address", "tags"],
 }
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 PROMPTS = ["Describe a person as JSON.", "Give me a user record.", "Who lives in Paris? Answer in JSON.",
            "Make up an administrator.", "A guest named Bob.", "Invent someone aged 42."]
 
@@ -56,12 +58,15 @@ def _schema_params(**overrides) -> SamplingParams:
 
 # --- the bitmask ------------------------------------------------------------------------------------------------
 
-def test_bitmask_masks_exactly_the_disallowed_tokens_of_constrained_rows_only(engine):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitmask_masks_exactly_the_disallowed_tokens_of_constrained_rows_only(engine, device):
     compiled = engine.grammars.submit("regex", "(yes|no)").result()
     vocab = engine.grammars.vocab_size
-    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)).to(device)
     before = logits.clone()
     apply_grammar_bitmask(logits, [None, matcher(compiled), None])
+    assert logits.device.type == device
+    logits, before = logits.cpu(), before.cpu()
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
     assert torch.equal(logits[1, allowed], before[1, allowed])
@@ -133,13 +138,14 @@ def test_preempted_constrained_sequences_keep_their_matcher(smollm2_path, engine
 def test_a_request_waits_for_its_grammar_while_the_others_step(engine, monkeypatch):
     pending: concurrent.futures.Future = concurrent.futures.Future()
     monkeypatch.setattr(engine.grammars, "submit", lambda guide_type, guide: pending)
+    monkeypatch.setattr(engine.config, "grammar_compile_timeout_s", 600.0)  # a loaded machine's steps are slow
     engine.add_request("free", _chat(engine, "Hello!"), SamplingParams(max_tokens=6, temperature=0.0))
     engine.add_request("json", _chat(engine, PROMPTS[0]), _schema_params(max_tokens=48))
     finished = {}
     while "free" not in finished:
         for out in engine.step():
             finished[out.request_id] = out
-    assert "json" in engine.awaiting_grammar and not finished.get("json")
+    assert "json" in engine.awaiting_grammar and "json" not in finished
     monkeypatch.undo()
     pending.set_result(engine.grammars.submit("json_schema", json.dumps(PERSON)).result())
     while engine.has_unfinished():

@@ -37,25 +37,25 @@ from omni_backend.engine.config import EngineConfig  # noqa: E402
 from omni_backend.engine.llm_engine import LLMEngine  # noqa: E402
 from omni_backend.engine.sampling_params import SamplingParams  # noqa: E402
 
-SCHEMA = {
+SCHEMA = {  # nested: objects, an array, enums, required fields
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "product": {"type": "string", "maxLength": 24},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+        "status": {"enum": ["pending", "shipped", "delivered"]},
+        "customer": {"type": "object", "required": ["name", "country"],
+                     "properties": {"name": {"type": "string", "maxLength": 24},
+                                    "country": {"enum": ["FR", "DE", "US", "JP"]}}},
+        "notes": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 16}},
     },
-    "required": ["name", "age", "role", "address", "tags"],
+    "required": ["product", "quantity", "status", "customer", "notes"],
 }
-TOPICS = ["a teacher", "a pilot", "a farmer", "a nurse", "a chef", "a painter", "a coder", "a singer"]
+TOPICS = ["a book", "two lamps", "a bicycle", "tea", "a phone", "shoes", "a desk", "paint"]
 
 
 def prompts(engine: LLMEngine, count: int) -> list[list[int]]:
     return [engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} (person {i}) as JSON."}],
+        [{"role": "user", "content": f"Write order {i} for {TOPICS[i % len(TOPICS)]} as JSON."}],
         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for i in range(count)]
 
 
@@ -108,7 +108,7 @@ def main() -> None:
     engine.grammars.take_compile_seconds()
     cold, warm = [], []
     for round_index in range(rounds):
-        fresh = {**SCHEMA, "title": f"person-{round_index}-{time.time_ns()}"}
+        fresh = {**SCHEMA, "title": f"order-{round_index}-{time.time_ns()}"}
         cold.append(first_token_s(engine, prompt, fresh))
         warm.append(first_token_s(engine, prompt, fresh))
     compile_s = engine.grammars.take_compile_seconds()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.request
 
 import jsonschema
 import openai
@@ -13,6 +15,7 @@ import pytest
 from helpers.chat_client import chat_messages, stream_infer
 from helpers.front_door import MODEL
 
+from omni_backend.ops.metrics import parse_metrics
 from omni_backend.serving import protocol
 from omni_backend.serving.errors import OpenAIError, invalid
 from omni_backend.serving.structured import Guide, requested_guide
@@ -156,14 +159,35 @@ def test_bad_guides_are_a_400_naming_the_field_and_the_next_request_works(openai
     assert ok.choices[0].finish_reason == "length"
 
 
+def _llm_metric(server, name: str) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        samples = parse_metrics(response.read().decode())
+    return sum(value for labels, value in samples.get(name, []) if labels.get("model") == "llm")
+
+
 @pytest.mark.server
 def test_guided_decoding_inputs_on_omni_chat_through_tritonclient(triton_server):
+    before = {name: _llm_metric(triton_server, name) for name in (
+        "omni_structured_requests_total", "omni_grammar_cache_hits_total", "omni_grammar_compile_seconds_count")}
+    fresh = json.dumps({**CITY, "title": f"city-{time.time_ns()}"})  # never compiled in this server before
     result = stream_infer(triton_server.grpc_url, {
         "text_input": chat_messages("Tell me about Paris as JSON."), "max_tokens": 160, "temperature": 0.0,
-        "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": json.dumps(CITY)})
+        "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": fresh})
     assert result.error is None and result.last("finish_reason") == "stop"
     jsonschema.validate(json.loads(result.text), CITY)
     bad = stream_infer(triton_server.grpc_url, {
         "text_input": chat_messages("Hi"), "max_tokens": 4, "guided_decoding_guide_type": "regex",
         "guided_decoding_guide": "(ab"})
     assert bad.error is not None and "guided_decoding_guide cannot be used as a regex guide" in bad.error
+    again = stream_infer(triton_server.grpc_url, {  # the same schema: a cache hit
+        "text_input": chat_messages("And Rome?"), "max_tokens": 4, "guided_decoding_guide_type": "json_schema",
+        "guided_decoding_guide": fresh})
+    assert again.error is None
+    deadline = time.monotonic() + 15  # the llm stage publishes its metrics about once a second (the bad regex
+    # never reached it: preprocess refused it)
+    while _llm_metric(triton_server, "omni_structured_requests_total") < before["omni_structured_requests_total"] + 2:
+        assert time.monotonic() < deadline, "omni_structured_requests_total did not count the requests"
+        time.sleep(0.2)
+    assert _llm_metric(triton_server, "omni_grammar_cache_hits_total") >= before["omni_grammar_cache_hits_total"] + 1
+    assert _llm_metric(triton_server, "omni_grammar_compile_seconds_count") >= \
+        before["omni_grammar_compile_seconds_count"] + 1

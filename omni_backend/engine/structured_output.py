@@ -44,7 +44,6 @@ CACHE_SIZE = 256
 """Compiled grammars kept (each a few hundred KiB for a JSON schema on a 49k vocabulary)."""
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[09:28:46] /project/cpp/x.cc:83: " prefix
 _ANY_OBJECT = '{"type": "object"}'
-_batch_filler: xgrammar.BatchGrammarMatcher | None = None  # apply_grammar_bitmask's, made on first use
 
 
 def _grammar(guide_type: str, guide: str | None) -> xgrammar.Grammar:
@@ -180,19 +179,15 @@ def apply_grammar_bitmask(logits: torch.Tensor, matchers: list[xgrammar.GrammarM
             matchers' tokenizer info was built with.
         matchers: per row its sequence's matcher, None for an unconstrained row (left untouched).
 
-    The bitmask (int32 [B, ceil(V / 32)], one bit per token) is filled on the host by xgrammar's batch filler
-    (its rows spread over the host's hardware threads: the fill is most of the cost, 0.05 to 0.3 ms a row for a
-    nested schema on this CPU, and the model is idle meanwhile), copied to the logits' device once and applied by
-    one xgrammar call over the constrained rows; this runs after the model's forward pass, outside any captured
-    CUDA graph.
+    The bitmask (int32 [B, ceil(V / 32)], one bit per token) is filled on the host, copied to the logits' device
+    once and applied by one xgrammar call over the constrained rows; this runs after the model's forward pass,
+    outside any captured CUDA graph.
     """
-    global _batch_filler
     rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return
-    if _batch_filler is None:
-        _batch_filler = xgrammar.BatchGrammarMatcher(max_threads="auto")
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])
-    _batch_filler.batch_fill_next_token_bitmask([matchers[row] for row in rows], bitmask, indices=rows)
+    for row in rows:
+        matchers[row].fill_next_token_bitmask(bitmask, row)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                          vocab_size=logits.shape[-1], indices=rows)

@@ -93,7 +93,8 @@ def main() -> None:
     throughput = {}
     for concurrency in args.concurrency:
         batch = prompts(engine, concurrency)
-        run_batch(engine, batch[:2], constrained)  # warm-up: the grammar compiled, the kernels built
+        for params in (free, constrained):  # warm-up at this batch: the grammar compiled, kernels and shapes seen
+            run_batch(engine, batch, params)
         rates: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
         for round_index in range(rounds):
             order = [("unconstrained", free), ("json_schema", constrained)]

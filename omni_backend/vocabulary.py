@@ -22,6 +22,7 @@ import re
 from dataclasses import MISSING, dataclass
 from enum import Enum
 
+from omni_backend import tensor_names as T
 from omni_backend.engine.limits import ContextLengthExceeded
 from omni_backend.engine.sampling_params import RANGES, Range, SamplingParams
 
@@ -99,6 +100,9 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField("ignore_eos", "ignore_eos", "BOOL", ("ignore_eos",)),
     RequestField("logprobs", "logprobs", "INT32", ("logprobs", "top_logprobs")),
     RequestField("prompt_logprobs", "prompt_logprobs", "INT32", ("prompt_logprobs",)),
+    # the front door derives them from response_format (or vLLM's structured_outputs, whose errors it renames)
+    RequestField("guide_type", T.GUIDED_DECODING_GUIDE_TYPE, "BYTES", ("response_format.type",)),
+    RequestField("guide", T.GUIDED_DECODING_GUIDE, "BYTES", ("response_format",)),
 )
 BY_PARAM = {f.param: f for f in SAMPLING_FIELDS}
 BY_TENSOR = {f.tensor: f for f in SAMPLING_FIELDS}

@@ -58,7 +58,9 @@ def test_the_model_configs_declare_the_vocabulary(model):
     the prompt (and the ensembles' max_tokens, see omni_chat/config.pbtxt): a tensor renamed or retyped in one
     place only fails here."""
     inputs = config_inputs(model)
-    absent = {"omni_speech": {"logprobs", "prompt_logprobs"}}.get(model, set())  # speech answers carry none
+    # speech answers carry no logprobs and are not constrained
+    absent = {"omni_speech": {"logprobs", "prompt_logprobs", "guided_decoding_guide_type",
+                              "guided_decoding_guide"}}.get(model, set())
     for field in SAMPLING_FIELDS:
         if field.tensor not in absent:
             optional = model == "preprocess" or field.tensor != "max_tokens"
@@ -66,7 +68,8 @@ def test_the_model_configs_declare_the_vocabulary(model):
     assert inputs["text_input"] == (PROMPT_TENSORS["text_input"], False)
     known = {f.tensor for f in SAMPLING_FIELDS} | set(PROMPT_TENSORS)
     extra = {"omni_speech": {"voice", "audio_format", "speed"},
-             "preprocess": {"add_generation_prompt", "continue_final_message", "prompt_is_text"}}.get(model, set())
+             "preprocess": {"add_generation_prompt", "continue_final_message", "prompt_is_text", "tools"}}
+    extra = extra.get(model, set())
     assert set(inputs) - known == extra
 
 

@@ -62,6 +62,9 @@ class EngineConfig(SettingGroup):
     quantization: str = setting("none", "int8: weight-only int8 projections and output head, one float32 scale per "
                                 "output channel (CPU engines computing in float32; kernels/linear_cpu.py)",
                                 choices=QUANTIZATIONS)
+    grammar_compile_timeout_s: float = setting(10.0, "longest wait for a request's grammar (structured output) to "
+                                               "compile, seconds; past it the request is refused (400)", low=0.0,
+                                               low_open=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

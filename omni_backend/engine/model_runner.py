@@ -39,6 +39,7 @@ from omni_backend.engine.models import registry
 from omni_backend.engine.models.llama import LlamaForCausalLM
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
+from omni_backend.engine.structured_output import apply_grammar_bitmask
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
@@ -408,7 +409,9 @@ class ModelRunner:
         result = None
         if inputs.sampled:
             rows = hidden if inputs.is_decode_only else hidden[inputs.logit_rows]
-            result = self.sampler(self.model.compute_logits(rows), inputs.sampled)
+            logits = self.model.compute_logits(rows)
+            apply_grammar_bitmask(logits, [seq.grammar for seq in inputs.sampled])
+            result = self.sampler(logits, inputs.sampled)
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += count
             self.block_manager.register_computed_blocks(seq)

@@ -14,11 +14,12 @@ for every field the OpenAI API reference marks nullable (all the optional settin
 `messages`, `prompt` and the extension `ignore_eos` must not be null. A validation error becomes a 400 that names the field (`schema_error`).
 
 No field is silently dropped when it would change the answer. Every top-level field is one of: modelled here and
-served (some only in part: tools, response_format other than text, logit_bias, suffix and best_of other than n are
-refused when set); describing the client or the request's bookkeeping (`DESCRIPTIVE_FIELDS`: accepted, no effect
-on the answer); a known OpenAI or vLLM field this server does not serve (`NOT_SERVED`: accepted only with the
-value that asks for what the server does anyway, else a 400 naming it); or unknown (a 400 naming it, as OpenAI
-answers "Unrecognized request argument supplied").
+served (some only in part: the legacy functions, logit_bias, suffix and best_of other than n are refused when set;
+`response_format` and vLLM's `structured_outputs` constrain the answer to a grammar, serving/structured.py);
+describing the client or the request's bookkeeping (`DESCRIPTIVE_FIELDS`: accepted, no effect on the answer); a
+known OpenAI or vLLM field this server does not serve (`NOT_SERVED`: accepted only with the value that asks for
+what the server does anyway, else a 400 naming it); or unknown (a 400 naming it, as OpenAI answers "Unrecognized
+request argument supplied").
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from omni_backend import tensor_names as T
 from omni_backend.serving.errors import OpenAIError, integral, invalid
 from omni_backend.serving.generation import GenerationRequest, Prompt
+from omni_backend.serving.structured import Guide, requested_guide
+from omni_backend.serving.tools import ToolRequest, check_tool_calls, requested_tools
 from omni_backend.stages import tts_audio
 from omni_backend.stages.tts_options import SpeechOptions, resolve_voice
 from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES, FieldError
@@ -85,7 +88,6 @@ class StreamOptions(BaseModel):
 DESCRIPTIVE_FIELDS = frozenset({
     "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",  # OpenAI: about the client
     "prediction",  # OpenAI predicted outputs: a latency hint, the answer is the same
-    "parallel_tool_calls",  # only acts with tools, which are refused
     "request_id",  # vLLM: the caller's id for its own logs
 })
 """Request fields that describe the client or its bookkeeping, not the answer: accepted, not acted on."""
@@ -103,7 +105,7 @@ NOT_SERVED: dict[str, tuple] = {
     "vllm_xargs": _ANY, "prompt_embeds": _ANY,
     # vLLM's structured outputs
     "guided_json": _ANY, "guided_regex": _ANY, "guided_choice": _ANY, "guided_grammar": _ANY,
-    "guided_decoding_backend": _ANY, "guided_whitespace_pattern": _ANY, "structured_outputs": _ANY,
+    "guided_decoding_backend": _ANY, "guided_whitespace_pattern": _ANY,
     # vLLM's chat extensions (the template is the checkpoint's; add_special_tokens: chat prompts get none)
     "echo": (False,), "add_special_tokens": (False,), "chat_template": _ANY, "chat_template_kwargs": ({},),
     "documents": _ANY, "mm_processor_kwargs": _ANY, "best_of": (1,),
@@ -157,6 +159,8 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's (serving/structured.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -178,6 +182,12 @@ class _Request(BaseModel):
             raise invalid("logit_bias is not supported by this server", "logit_bias")
         if any(s == "" for s in self.stops()):
             raise invalid("stop strings must not be empty", "stop")
+        self.guide()
+
+    def guide(self) -> Guide | None:
+        """The grammar the output must follow (response_format or structured_outputs), None for free text.
+        Raises OpenAIError 400 naming the field (serving/structured.py)."""
+        return requested_guide(self.response_format, self.structured_outputs)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -199,8 +209,8 @@ class _Request(BaseModel):
 
 class ChatMessage(BaseModel):
     """One chat message. `content` is required (not null) except on an assistant message that carries `tool_calls`
-    (or the older `function_call`), which are refused anyway: tools are not served. `name` is accepted and not shown
-    to the model (the chat template decides what it renders; SmolLM2's renders role and content)."""
+    (the older `function_call` is refused). A tool message's `tool_call_id` goes to the template with it. `name` is
+    accepted and not shown to the model (the chat template decides what it renders)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -208,6 +218,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
 
@@ -228,8 +239,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: AudioOutput | None = None
     add_generation_prompt: bool = True
@@ -261,16 +272,16 @@ class ChatCompletionRequest(_Request):
             if message.content is None and not (message.role == "assistant" and calls):
                 raise invalid(f"messages[{i}].content is required: a string or a list of content parts (only an "
                               "assistant message with tool_calls may leave it out)", f"messages[{i}].content")
-            if calls:
-                field = "tool_calls" if message.tool_calls else "function_call"
-                raise invalid(f"messages[{i}].{field}: tool calls are not supported by this server",
-                              f"messages[{i}].{field}")
-        if self.tools or self.functions:
-            raise invalid("tools are not supported by this server", "tools" if self.tools else "functions")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
+            check_tool_calls(message.tool_calls or [], f"messages[{i}].tool_calls")
+            if message.function_call:
+                raise invalid(f"messages[{i}].function_call is not supported by this server (use tool_calls)",
+                              f"messages[{i}].function_call")
+        if self.functions:
+            raise invalid("functions is not supported by this server (use tools)", "functions")
+        tools = self.tool_request()
+        if tools is not None and tools.guide() is not None and self.guide() is not None:
+            raise invalid("tool_choice \"required\" or a named function cannot be combined with response_format or "
+                          "structured_outputs", "tool_choice")
         if not self.spoken and self.modalities and set(self.modalities) - {"text"}:
             raise invalid("modalities: [\"text\"], or [\"text\", \"audio\"] with \"audio\" for audio output",
                           "modalities")
@@ -283,6 +294,12 @@ class ChatCompletionRequest(_Request):
                 raise invalid("streamed audio output needs audio.format 'pcm16'", "audio.format")
             if self.logprobs:
                 raise invalid("logprobs are not available with audio output", "logprobs")
+            if self.tools:
+                raise invalid("tools are not available with audio output", "tools")
+
+    def tool_request(self) -> ToolRequest | None:
+        """The checked tools (serving/tools.py), None without tools. Raises OpenAIError 400 naming the field."""
+        return requested_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def speech_options(self) -> SpeechOptions | None:
         """How to speak the answer (None: it is only written). Raises OpenAIError 400 naming `audio.voice` or
@@ -304,10 +321,14 @@ class ChatCompletionRequest(_Request):
         template = {name: value for name, value, default in (
             ("add_generation_prompt", self.add_generation_prompt, True),
             ("continue_final_message", self.continue_final_message, False)) if value != default}
+        tools = self.tool_request()
+        if tools is not None:
+            template[T.TOOLS] = tools.prompt_tools()
         return GenerationRequest(
             kind="chat", model=self.model, prompt_field="messages",
             prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False), template=template)],
-            settings=settings, n=self.n, include_usage=self.include_usage, speech=self.speech_options())
+            settings=settings, n=self.n, include_usage=self.include_usage, speech=self.speech_options(),
+            guide=self.guide() or (tools.guide() if tools else None), tools=tools)
 
     def messages_json(self) -> list[dict]:
         """The messages as the preprocess stage takes them: role + content (string, or text / image_url /
@@ -338,6 +359,10 @@ class ChatCompletionRequest(_Request):
                 content = parts
             role = "system" if message.role == "developer" else message.role
             out.append({"role": role, "content": content})
+            if message.tool_calls:
+                out[-1]["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                out[-1]["tool_call_id"] = message.tool_call_id
         return out
 
 
@@ -376,7 +401,7 @@ class CompletionRequest(_Request):
         return GenerationRequest(
             kind="completion", model=self.model, prompt_field="prompt", prompts=self.prompts(), settings=settings,
             n=self.n, include_usage=self.include_usage, echo=self.echo, generate=self.max_tokens > 0,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, guide=self.guide())
 
     def prompts(self) -> list[Prompt]:
         """Each prompt as text or token ids.

@@ -175,12 +175,51 @@ NON_EMPTY_STOP = {"anyOf": [{"type": "string", "minLength": 1},
 NONE_OR_EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
 
 
+NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}  # OpenAI's rule for schema and function names
+OBJECT_OR_NULL = {"type": ["object", "null"]}
+NON_EMPTY = {"type": "string", "minLength": 1}
+RESPONSE_FORMAT = {"anyOf": [NULL, {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "json_object"]}}}, {
+    "type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": NAME, "strict": {"type": ["boolean", "null"]}, "schema": OBJECT_OR_NULL}}}}],
+    "description": "text, json_object, or json_schema {name, schema, strict}: the answer follows the schema "
+                   "(a schema this server cannot compile is a 400 naming it)."}
+STRUCTURED_OUTPUTS = {"anyOf": [NULL, {"type": "object", "properties": {
+    "json": {"type": ["object", "string", "null"]}, "regex": {"anyOf": [NULL, NON_EMPTY]},
+    "choice": {"anyOf": [NULL, {"type": "array", "items": NON_EMPTY, "minItems": 1}]},
+    "grammar": {"anyOf": [NULL, NON_EMPTY]}, "json_object": {"enum": [True, False, None]}}}],
+    "description": "vLLM's: exactly one of json (a JSON schema), regex, choice, grammar (EBNF) or json_object; "
+                   "not with a response_format other than text."}
+
+
 def _common_rules(schema: dict) -> list[dict]:
     """The rules of `protocol._Request.check_common` (stop strings not empty, no logit_bias, stream_options only
-    with stream)."""
+    with stream) and the shapes serving/structured.py reads (whether a schema, regex or grammar compiles is for
+    the grammar compiler to say)."""
     _set(schema, "stop", NON_EMPTY_STOP)
     _set(schema, "logit_bias", {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]})
+    _set(schema, "response_format", RESPONSE_FORMAT, keep=("default",))
+    _set(schema, "structured_outputs", STRUCTURED_OUTPUTS, keep=("default",))
     return [_either("stream_options", NULL, {"properties": {"stream": {"const": True}}, "required": ["stream"]})]
+
+
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": NAME, "description": {"type": ["string", "null"]}, "parameters": OBJECT_OR_NULL}}}}
+TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"},
+        "arguments": {"type": "string", "description": "A JSON object, as a string."}}}}}
+TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required", None]}, {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}}}}}],
+    "description": "\"required\" and a named function need tools (the name one of theirs) and constrain the "
+                   "answer to the functions' parameters (not with response_format or structured_outputs)."}
 
 
 def chat_rules(components: dict) -> None:
@@ -193,13 +232,11 @@ def chat_rules(components: dict) -> None:
     parts = {"oneOf": [{"$ref": COMPONENT + part.__name__} for part in schemas.CONTENT_PARTS]}
     _set(message, "content", {"anyOf": [{"type": "string"}, {"type": "array", "items": parts}]}, keep=())
     message["required"] = [*message["required"], "content"]
-    _set(message, "tool_calls", NONE_OR_EMPTY_LIST)  # tools are not served
+    _set(message, "tool_calls", {"anyOf": [NULL, {"type": "array", "items": TOOL_CALL}]})
     _set(message, "function_call", {"type": "null"})
-    for name in ("tools", "functions"):
-        _set(schema, name, NONE_OR_EMPTY_LIST)
-    _set(schema, "tool_choice", {"enum": ["none", "auto", None]})
-    _set(schema, "response_format", {"anyOf": [{"type": "object", "properties": {"type": {"enum": ["text", None]}}},
-                                               {"type": "null"}]})
+    _set(schema, "functions", NONE_OR_EMPTY_LIST)
+    _set(schema, "tools", {"anyOf": [NULL, {"type": "array", "items": TOOL}]})
+    _set(schema, "tool_choice", TOOL_CHOICE, keep=("default",))
     _set(schema, "modalities", {"anyOf": [{"type": "array", "items": {"enum": ["text", "audio"]}},
                                           {"type": "null"}]})
     formats = [name for name, ours in protocol.CHAT_AUDIO_FORMATS.items() if ours in tts_audio.formats()]
@@ -212,7 +249,7 @@ def chat_rules(components: dict) -> None:
     spoken = {"required": ["audio"], "properties": {
         "audio": {"type": "object"},
         "modalities": {"anyOf": [NULL, {"type": "array", "maxItems": 0}, {"type": "array", "contains": {"const": "audio"}}]},
-        "n": {"enum": [1, None]}, "logprobs": {"enum": [False, None]}},
+        "n": {"enum": [1, None]}, "logprobs": {"enum": [False, None]}, "tools": NONE_OR_EMPTY_LIST},
         "anyOf": [{"properties": {"stream": {"enum": [False, None]}}},
                   {"properties": {"audio": {"properties": {"format": {"const": "pcm16"}}}}}]}
     rules += [

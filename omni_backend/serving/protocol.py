@@ -5,7 +5,7 @@ Field names follow the OpenAI API reference; the ranges of the sampling settings
 Extensions beyond OpenAI's fields, as vLLM spells them: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`.
 A chat request with `audio` or with "audio" among its `modalities` asks for a spoken answer
 (serving/spoken.py): `audio.voice` (a voice name, or OpenAI's `{"id": name}`) and `audio.format` are checked here
-with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (`speech_voice`, `speech_format`).
+with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (serving/audio_fields.py).
 
 Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
 read as true or 16; a number without a fraction is an integer (`16.0` is 16: JSON has one number type, and JSON
@@ -37,9 +37,9 @@ from omni_backend.serving.errors import OpenAIError, integral, invalid
 from omni_backend.serving.generation import GenerationRequest, Prompt
 from omni_backend.serving.structured import Guide, requested_guide
 from omni_backend.serving.tools import ToolRequest, check_tool_calls, requested_tools
-from omni_backend.stages import tts_audio
-from omni_backend.stages.tts_options import SpeechOptions, resolve_voice
-from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES, FieldError
+from omni_backend.serving.audio_fields import speech_format, speech_voice
+from omni_backend.stages.tts_options import SpeechOptions
+from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES
 
 MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on `logprobs`
@@ -273,7 +273,7 @@ class ChatCompletionRequest(_Request):
                 raise invalid(f"messages[{i}].content is required: a string or a list of content parts (only an "
                               "assistant message with tool_calls may leave it out)", f"messages[{i}].content")
             check_tool_calls(message.tool_calls or [], f"messages[{i}].tool_calls")
-            if message.function_call:
+            if message.function_call is not None:
                 raise invalid(f"messages[{i}].function_call is not supported by this server (use tool_calls)",
                               f"messages[{i}].function_call")
         if self.functions:
@@ -431,30 +431,6 @@ class CompletionRequest(_Request):
                 raise invalid(f"prompt holds a token id outside the INT32 range: {max(item, key=abs)}", "prompt")
             prompts.append(Prompt(token_ids=item))
         return prompts
-
-
-def speech_voice(value: Any, field: str) -> str:
-    """The installed voice that speaks for `value` (a voice name, or OpenAI's `{"id": name}` for a custom voice).
-    Raises OpenAIError 400 naming `field` when it is no string or no voice this server has."""
-    if isinstance(value, dict):
-        value = value.get("id")
-    if not isinstance(value, str):
-        raise invalid(f"'{field}' is a required property and must be a string", field)
-    try:
-        return resolve_voice(value)
-    except FieldError as exc:
-        raise invalid(f"{field} {exc.problem}", field) from None
-
-
-def speech_format(value: Any, field: str, allowed: dict[str, str]) -> str:
-    """tts_audio's name for the audio format `value` (a key of `allowed`, which maps the client's names to ours).
-    Raises OpenAIError 400 naming `field`, listing the formats there are, when it is not in `allowed` or cannot be
-    written here (mp3 needs a libsndfile that writes it)."""
-    available = set(tts_audio.formats())
-    names = [name for name, ours in allowed.items() if ours in available]
-    if not isinstance(value, str) or value not in allowed or allowed[value] not in available:
-        raise invalid(f"{field} '{value}' is not supported; supported: {', '.join(names)}", field)
-    return allowed[value]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ A chat content part's media (an image URL, an audio clip, a video URL) is a file
 media part generated with its schema's shape gets a real small file of its kind (`media`), and the parts beyond the
 preprocess stage's `max_media_parts` per request become text parts. The test model has no video encoder (the
 schema cannot say which media kinds a checkpoint reads), so video parts get the image.
+
+Grammars (`_compilable`): whether a JSON schema, a regex or an EBNF grammar compiles, and which function names a
+request's `tool_choice` may name, are facts of the values, not of their shapes; so a positive case keeps the kind
+of grammar it drew with a value known to compile, tool names made distinct, and a named `tool_choice` naming one
+of its tools.
 """
 
 from __future__ import annotations
@@ -49,6 +54,37 @@ def media() -> dict[str, dict]:
             "input_audio": {"data": base64.b64encode(audio_bytes("WAV", tone, 16000)).decode(), "format": "wav"}}
 
 
+GOOD_GUIDES = {"json": {"type": "object"}, "regex": "[a-z]{1,3}", "choice": ["yes", "no"],
+               "grammar": 'root ::= "a" | "b"', "json_object": True}
+
+
+def _compilable(body: dict) -> None:
+    """Grammars that compile and tool choices that name a given tool (the module docstring says why)."""
+    fmt, outputs = body.get("response_format"), body.get("structured_outputs")
+    if isinstance(fmt, dict) and isinstance(fmt.get("json_schema"), dict) and fmt["json_schema"].get("schema"):
+        fmt["json_schema"]["schema"] = GOOD_GUIDES["json"]
+    guided = isinstance(fmt, dict) and fmt.get("type") != "text"
+    if isinstance(outputs, dict):
+        drawn = [kind for kind in GOOD_GUIDES if outputs.get(kind) not in (None, False)] or ["regex"]
+        body["structured_outputs"] = None if guided else {drawn[0]: GOOD_GUIDES[drawn[0]]}
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    for i, tool in enumerate(tools):
+        tool["function"]["name"] = f"{tool['function']['name'][:60]}_{i}"
+        if tool["function"].get("parameters"):
+            tool["function"]["parameters"] = GOOD_GUIDES["json"]
+    choice = body.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        if not tools:
+            body["tool_choice"] = "auto"
+        else:
+            if isinstance(choice, dict):
+                choice["function"]["name"] = tools[0]["function"]["name"]
+            body["response_format"] = body["structured_outputs"] = None
+    for message in body.get("messages") if isinstance(body.get("messages"), list) else ():
+        for call in (message.get("tool_calls") or ()) if isinstance(message, dict) else ():
+            call["function"]["arguments"] = "{}"
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -84,6 +120,8 @@ def map_case(context, case):
         value = body.get(field)
         if (value is None and field in UNSET_MEANS_LONG) or (_is_number(value) and value > cap):
             body[field] = cap
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        _compilable(body)
     if path == "/v1/chat/completions":
         _real_media(body)
     if path == "/v1/completions":

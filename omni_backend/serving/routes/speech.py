@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from omni_backend.serving import errors, protocol
+from omni_backend.serving import audio_fields, errors, protocol
 from omni_backend.serving.errors import invalid
 from omni_backend.serving.front_door import door_of, require_api_key
 from omni_backend.serving.request_body import read_json
@@ -85,9 +85,9 @@ async def create_speech(request: Request):
     reason = unspeakable_reason(text)
     if reason is not None:
         raise invalid(f"input {reason}", "input")
-    voice = protocol.speech_voice(body.get("voice"), "voice")
+    voice = audio_fields.speech_voice(body.get("voice"), "voice")
     given_format = body.get("response_format")
-    audio_format = protocol.speech_format("mp3" if given_format is None else given_format, "response_format",
+    audio_format = audio_fields.speech_format("mp3" if given_format is None else given_format, "response_format",
                                           SPEECH_FORMATS)
     try:
         speed = check_speed(errors.number(body, "speed", float, None))

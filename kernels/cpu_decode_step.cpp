@@ -1,4 +1,5 @@
-// One decode-only step of the float32 Llama-family model in one call: every layer's RMSNorm, QKV projection, RoPE
+// One decode-only step of the Llama-family model in one call (float32 activations; the projections' weights float32,
+// int8 or bfloat16, the KV cache float32 or bfloat16): every layer's RMSNorm, QKV projection, RoPE
 // with the K/V cache write, paged attention, output projection, RMSNorm, gate/up projection, SiLU * up and down
 // projection, then the final RMSNorm. The C ABI below is called through ctypes by kernels/cpu_decode_step.py,
 // which documents the contract; this file holds only the orchestration. This is the layer of
@@ -17,31 +18,36 @@ typedef void (*LinearF32)(const float*, int64_t, int64_t, int64_t, const float*,
                           int64_t, int64_t);
 typedef void (*LinearI8)(const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
                          const float*, float*, int64_t, int64_t);
+typedef void (*LinearBf16)(const float*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, float*,
+                           int64_t, int64_t);
 typedef void (*RmsNorm)(const float*, int64_t, int64_t, int64_t, const float*, float, float*, int64_t);
 typedef int64_t (*RopeStoreKv)(float*, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*,
-                               const float*, int64_t, const int64_t*, float*, float*, int64_t, int64_t);
+                               const float*, int64_t, const int64_t*, void*, void*, int64_t, int64_t);
 typedef void (*SiluMul)(const float*, int64_t, int64_t, int64_t, float*, int64_t);
 typedef int64_t (*PagedDecode)(const void*, const void*, const void*, const int32_t*, const int32_t*, void*, int64_t,
                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*, const int64_t*,
                                const int64_t*, int64_t, const int64_t*, float);
 
-// The kernels' entry points (linear_f32 / linear_i8, rms_norm_f32, rope_store_kv_f32, silu_mul_f32,
-// paged_decode_f32).
+// The kernels' entry points (linear_f32 / linear_i8 / linear_bf16, rms_norm_f32, rope_store_kv_f32 and
+// paged_decode_f32 for float32 caches or their _bf16 forms for bfloat16 ones, silu_mul_f32).
 struct StepKernels {
   LinearF32 linear_f32;
   LinearI8 linear_i8;
+  LinearBf16 linear_bf16;
   RmsNorm rms_norm;
   RopeStoreKv rope_store_kv;
   SiluMul silu_mul;
   PagedDecode paged_decode;
 };
 
-// A packed [n, k] weight: float32 panels (scales null) or int8 panels with per-channel scales; bias may be null.
+// A packed [n, k] weight: float32 or bfloat16 panels (scales null) or int8 panels with per-channel scales; bias may
+// be null.
 struct StepProjection {
   const void* panels;
   const float* scales;
   const float* bias;
   int64_t n, k;
+  int64_t bf16;  // 1: bfloat16 panels
 };
 
 struct StepLayer {
@@ -49,8 +55,8 @@ struct StepLayer {
   const float* input_norm;
   const float* post_norm;
   float input_eps, post_eps;
-  float* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-  float* v_cache;
+  void* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous, the kernels' cache dtype
+  void* v_cache;
 };
 
 struct StepModel {
@@ -69,7 +75,9 @@ struct StepModel {
 namespace {
 
 void project(const StepKernels& k, const StepProjection& w, const float* x, int64_t rows, float* y, bool accumulate) {
-  if (w.scales)
+  if (w.bf16)
+    k.linear_bf16(x, rows, w.k, w.k, static_cast<const uint32_t*>(w.panels), w.n, w.bias, y, w.n, accumulate);
+  else if (w.scales)
     k.linear_i8(x, rows, w.k, w.k, static_cast<const int8_t*>(w.panels), w.scales, w.n, w.bias, y, w.n, accumulate);
   else
     k.linear_f32(x, rows, w.k, w.k, static_cast<const float*>(w.panels), w.n, w.bias, y, w.n, accumulate);

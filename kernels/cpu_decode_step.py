@@ -1,5 +1,6 @@
-"""A decode-only step of the float32 Llama-family layer in one C++ call (``cpu_decode_step.cpp``): the CPU
-counterpart of a captured CUDA graph, built on first use (``kernels/cpu_library.py``) and called through ctypes.
+"""A decode-only step of the Llama-family layer (float32 activations; float32, int8 or bfloat16 weights; a float32
+or bfloat16 KV cache) in one C++ call (``cpu_decode_step.cpp``): the CPU counterpart of a captured CUDA graph, built
+on first use (``kernels/cpu_library.py``) and called through ctypes.
 Only the architectures whose model registry row names ``CpuLlamaForward`` as their CPU step run it
 (``omni_backend/engine/models/registry.py``); its attention is the kernel the attention backend offers for it
 (``cpu_decode_kernel``, the cpu backend's).
@@ -30,12 +31,12 @@ _PTR = ctypes.c_void_p
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("linear_f32", "linear_i8", "rms_norm", "rope_store_kv", "silu_mul",
-                                          "paged_decode")]
+    _fields_ = [(name, _PTR) for name in ("linear_f32", "linear_i8", "linear_bf16", "rms_norm", "rope_store_kv",
+                                          "silu_mul", "paged_decode")]
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("panels", _PTR), ("scales", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64)]
+    _fields_ = [("panels", _PTR), ("scales", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64), ("bf16", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -79,11 +80,12 @@ class CpuDecodeStep(CpuLibrary):
 
     def describe(self, forward, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStepModel":
         """The step's description of `forward` (an `omni_backend.engine.models.llama_cpu.CpuLlamaForward`) over
-        these KV caches (float32 ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, one pair per
-        layer).
+        these KV caches (float32 or bfloat16 ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, one
+        pair per layer, all of one dtype).
 
         Raises:
-            ValueError: caches that are not one contiguous float32 CPU pair per layer of one shape (block_size,
+            ValueError: caches that are not one contiguous float32 or bfloat16 CPU pair per layer of one shape and
+                dtype (block_size,
                 num_kv_heads and head_dim at least 1), or weights, norms and RoPE tables whose shapes do not fit the
                 model's sizes.
         """
@@ -105,9 +107,10 @@ class DecodeStepModel:
         if len(shape) != 4 or min(shape[1:]) < 1:  # the step divides by block_size (paged decode's block count)
             raise ValueError(f"KV caches must be [num_blocks, block_size, num_kv_heads, head_dim] with block_size, "
                              f"num_kv_heads and head_dim at least 1, got {shape}")
+        cache_dtype = torch.bfloat16 if kv_caches[0][0].dtype == torch.bfloat16 else torch.float32
         for pair in kv_caches:
             for name, cache in zip(("k_cache", "v_cache"), pair):
-                check_cpu_tensor(name, cache, torch.float32, shape)
+                check_cpu_tensor(name, cache, cache_dtype, shape)
         num_blocks, block_size, num_kv_heads, head_dim = shape
         hidden, num_heads = forward.norm.shape[0], forward.num_heads
         if num_kv_heads != forward.num_kv_heads:
@@ -128,7 +131,7 @@ class DecodeStepModel:
                 check_cpu_tensor(f"{name} bias", bias, torch.float32, (n,))
             keep.extend(t for t in (packed.panels, packed.scales, bias) if t is not None)
             return _Projection(packed.panels.data_ptr(), None if packed.scales is None else packed.scales.data_ptr(),
-                               None if bias is None else bias.data_ptr(), n, k)
+                               None if bias is None else bias.data_ptr(), n, k, int(packed.format == "bfloat16"))
 
         layers = (_Layer * len(forward.layers))()
         qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -143,9 +146,11 @@ class DecodeStepModel:
             entry.input_eps, entry.post_eps = layer.input_eps, layer.post_eps
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             keep.extend((layer.input_norm, layer.post_norm, k_cache, v_cache))
+        bf16_cache = cache_dtype == torch.bfloat16
         kernels = _Kernels(*(_address(built.entry_point(name)) for built, name in (
-            (linear, "linear_f32"), (linear, "linear_i8"), (ops, "rms_norm_f32"), (ops, "rope_store_kv_f32"),
-            (ops, "silu_mul_f32"), (decode, "paged_decode_f32"))))
+            (linear, "linear_f32"), (linear, "linear_i8"), (linear, "linear_bf16"), (ops, "rms_norm_f32"),
+            (ops, "rope_store_kv_f32_bf16" if bf16_cache else "rope_store_kv_f32"), (ops, "silu_mul_f32"),
+            (decode, "paged_decode_f32_bf16" if bf16_cache else "paged_decode_f32"))))
         self._library = library
         self._keep = keep
         self._layers = layers

@@ -8,6 +8,9 @@
 // a NaN result rather than undefined behaviour: the exponent is computed from x clamped to [-87, 0] (a NaN clamps
 // to -87, so n stays in [-126, 0] and the float-to-int cast and the shift are defined); the result is 0 below -87
 // (-inf included), NaN for a NaN, and 1 for x > 0 (outside the contract).
+//
+// bf16_bits: float32 -> bfloat16 bits rounded to nearest even (as torch's .to(torch.bfloat16)), a NaN kept a
+// quiet NaN (its sign and top payload bits).
 
 #pragma once
 
@@ -33,6 +36,13 @@ inline float exp_nonpositive(float x) {  // exp(x) for x <= 0; 0 below -87 (floa
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return x >= -87.0f ? p * scale : (x < -87.0f ? 0.0f : x);  // x is a NaN in the last case
+}
+
+inline uint32_t bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bits >> 16) | 0x40u;
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
 }
 
 }  // namespace omni

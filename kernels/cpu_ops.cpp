@@ -1,5 +1,6 @@
 // The float32 CPU engine's per-layer elementwise work, one call each where torch takes 5-10 ops: RMSNorm, rotary
-// embedding of q and k with the step's new K/V written into their cache slots, and SiLU(gate) * up. The C ABI
+// embedding of q and k with the step's new K/V written into their (float32 or bfloat16) cache slots, and
+// SiLU(gate) * up. The C ABI
 // below is called through ctypes by kernels/cpu_ops.py, which documents the contract; this file holds only the
 // arithmetic.
 //
@@ -35,15 +36,27 @@ void rms_norm_f32(const float* x, int64_t M, int64_t H, int64_t ldx, const float
   }
 }
 
+}  // extern "C"
+
+namespace {
+
+// Writes n float32 values into a cache row: copied (float) or rounded to nearest even (bf16 bits).
+inline void store_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(omni::bf16_bits(src[i]));
+}
+
 // qkv [T, (Hq + 2 Hkv) * D] (row stride ldq): rotate the Hq + Hkv query and key heads of every row in place by
 // cos/sin [positions, D] at positions[t] (half-split pairing: out = x * cos + rotate_half(x) * sin), then write
 // the row's key and value heads to k_cache / v_cache [num_blocks, block_size, Hkv, D] at slot_mapping[t] (block
-// slot / block_size, offset slot % block_size; a slot < 0 is padding, not stored). Returns -1, or the first row
-// whose position or slot is out of range (nothing of that row is written).
-int64_t rope_store_kv_f32(float* qkv, int64_t T, int64_t ldq, int64_t Hq, int64_t Hkv, int64_t D,
-                          const int64_t* positions, const float* cos, const float* sin, int64_t max_positions,
-                          const int64_t* slot_mapping, float* k_cache, float* v_cache, int64_t num_blocks,
-                          int64_t block_size) {
+// slot / block_size, offset slot % block_size; a slot < 0 is padding, not stored), as float32 or rounded to
+// bfloat16 (Cache = uint16_t). Returns -1, or the first row whose position or slot is out of range (nothing of that
+// row is written).
+template <typename Cache>
+int64_t rope_store_kv(float* qkv, int64_t T, int64_t ldq, int64_t Hq, int64_t Hkv, int64_t D,
+                      const int64_t* positions, const float* cos, const float* sin, int64_t max_positions,
+                      const int64_t* slot_mapping, Cache* k_cache, Cache* v_cache, int64_t num_blocks,
+                      int64_t block_size) {
   const int64_t half = D / 2, slots = num_blocks * block_size, kv_row = Hkv * D;
   int64_t bad = -1;
 #pragma omp parallel for schedule(static)
@@ -70,11 +83,28 @@ int64_t rope_store_kv_f32(float* qkv, int64_t T, int64_t ldq, int64_t Hq, int64_
     }
     if (slot < 0) continue;
     const int64_t offset = slot * kv_row;  // the cache is contiguous: block * block_size + offset = slot
-    std::memcpy(k_cache + offset, row + Hq * D, kv_row * sizeof(float));
-    std::memcpy(v_cache + offset, row + (Hq + Hkv) * D, kv_row * sizeof(float));
+    store_row(row + Hq * D, kv_row, k_cache + offset);
+    store_row(row + (Hq + Hkv) * D, kv_row, v_cache + offset);
   }
   return bad;
 }
+
+}  // namespace
+
+extern "C" {
+
+// rope_store_kv into float32 caches (rope_store_kv_f32) or bfloat16 ones (rope_store_kv_f32_bf16: the float32
+// K/V rounded to nearest even); the caches are void* so that one function-pointer type takes both.
+#define DEFINE_ROPE_STORE_KV(NAME, Cache)                                                                            \
+  int64_t NAME(float* qkv, int64_t T, int64_t ldq, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* positions,     \
+               const float* cos, const float* sin, int64_t max_positions, const int64_t* slot_mapping,               \
+               void* k_cache, void* v_cache, int64_t num_blocks, int64_t block_size) {                               \
+    return rope_store_kv(qkv, T, ldq, Hq, Hkv, D, positions, cos, sin, max_positions, slot_mapping,                  \
+                         static_cast<Cache*>(k_cache), static_cast<Cache*>(v_cache), num_blocks, block_size);        \
+  }
+
+DEFINE_ROPE_STORE_KV(rope_store_kv_f32, float)
+DEFINE_ROPE_STORE_KV(rope_store_kv_f32_bf16, uint16_t)
 
 // out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i] for i < I, silu(g) = g * sigmoid(g), the sigmoid from
 // e = exp(-|g|) <= 1 (1 / (1 + e) for g >= 0, e / (1 + e) below), so exp never overflows.

@@ -1,5 +1,6 @@
 """The float32 CPU engine's per-layer elementwise work in C++ (``cpu_ops.cpp``), one call each: RMSNorm, rotary
-embedding of q/k fused with writing the step's K/V into the paged cache, and SiLU(gate) * up. Built on first use
+embedding of q/k fused with writing the step's K/V into the paged cache (float32, or bfloat16 rounded to nearest
+even), and SiLU(gate) * up. Built on first use
 (``kernels/cpu_library.py``) and called through ctypes.
 
 Why: in torch these are 5-10 ops each (RMSNorm: square, mean, add, rsqrt, two multiplies; RoPE: slices, negation,
@@ -9,8 +10,8 @@ The references they replace, and match, are the torch code in ``omni_backend/eng
 ``kernels/store_kv.store_kv_reference``: RoPE bit for bit, RMSNorm up to the order of its sum of squares, SiLU up
 to its exp (``cpu_math.h``, about 2e-7 relative).
 
-All tensors are float32 (int64 positions and slots) on the CPU, rows with unit stride in their last dimension; the
-work runs on the calling thread's OpenMP team with the GIL released.
+All tensors are float32 (int64 positions and slots; the caches float32 or bfloat16) on the CPU, rows with unit
+stride in their last dimension; the work runs on the calling thread's OpenMP team with the GIL released.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-er
           "-shared", "-fPIC", "-std=c++17"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+ROPE_STORE_KV = {torch.float32: "rope_store_kv_f32", torch.bfloat16: "rope_store_kv_f32_bf16"}  # by cache dtype
 _SIGNATURES = {
     "rms_norm_f32": ([_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, _I64], None),
     "rope_store_kv_f32": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                            _I64], _I64),
+    "rope_store_kv_f32_bf16": ([_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                _I64], _I64),
     "silu_mul_f32": ([_PTR, _I64, _I64, _I64, _PTR, _I64], None),
 }
 
@@ -64,8 +68,9 @@ class CpuOps(CpuLibrary):
                       v_cache: torch.Tensor) -> None:
         """Rotate the query and key heads of ``qkv [T, (Hq + 2 Hkv) * D]`` in place by ``cos/sin [P, D]`` at
         ``positions [T]`` (half-split pairing, as HF's rotate_half; Su et al., "RoFormer", 2021), then write each
-        row's key and value heads to ``k_cache/v_cache [num_blocks, block_size, Hkv, D]`` (contiguous) at
-        ``slot_mapping [T]`` (-1: padding, not stored), as ``kernels.store_kv.store_kv_reference``.
+        row's key and value heads to ``k_cache/v_cache [num_blocks, block_size, Hkv, D]`` (contiguous; float32, or
+        bfloat16: rounded to nearest even) at ``slot_mapping [T]`` (-1: padding, not stored), as
+        ``kernels.store_kv.store_kv_reference``.
 
         Raises:
             ValueError: a head count below 1, a tensor outside the contract, or a row whose position is outside
@@ -82,15 +87,16 @@ class CpuOps(CpuLibrary):
         if kv_heads != num_kv_heads or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv [{t}, {qkv.shape[1]}] does not hold {num_q_heads} + 2 x {num_kv_heads} heads of "
                              f"{head_dim} (cache {tuple(k_cache.shape)})")
-        check_cpu_tensor("k_cache", k_cache, torch.float32, tuple(k_cache.shape))
-        check_cpu_tensor("v_cache", v_cache, torch.float32, tuple(k_cache.shape))
+        cache_dtype = torch.bfloat16 if k_cache.dtype == torch.bfloat16 else torch.float32
+        check_cpu_tensor("k_cache", k_cache, cache_dtype, tuple(k_cache.shape))
+        check_cpu_tensor("v_cache", v_cache, cache_dtype, tuple(k_cache.shape))
         if head_dim % 2:
             raise ValueError(f"rotary embedding pairs the halves of a head: head_dim must be even, got {head_dim}")
         check_cpu_tensor("cos", cos, torch.float32, (cos.shape[0] if cos.dim() == 2 else -1, head_dim))
         check_cpu_tensor("sin", sin, torch.float32, tuple(cos.shape))
         check_cpu_tensor("positions", positions, torch.int64, (t,))
         check_cpu_tensor("slot_mapping", slot_mapping, torch.int64, (t,))
-        bad = self._fn["rope_store_kv_f32"](
+        bad = self._fn[ROPE_STORE_KV[cache_dtype]](
             qkv.data_ptr(), t, qkv.stride(0), num_q_heads, num_kv_heads, head_dim, positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], slot_mapping.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), num_blocks, block_size)

@@ -1,5 +1,6 @@
 // Linear layers for CPUs: y[M, N] (+)= x[M, K] @ W[N, K]^T (+ bias) with W packed once into column panels, in
-// float32 or as int8 with one float32 scale per output channel (weight-only quantisation: x stays float32).
+// float32, as int8 with one float32 scale per output channel (weight-only quantisation: x stays float32), or as
+// bfloat16 where the CPU has AVX512-BF16 (x rounded to bfloat16 too, products summed in float32).
 // The C ABI below is called through ctypes by kernels/linear_cpu.py, which documents the contract; this file holds
 // only the arithmetic.
 //
@@ -20,6 +21,20 @@
 // for a few rows the microkernel widens each int8 row of the panel to fp32 in registers; for more rows the panel is
 // widened once into a thread-local fp32 buffer and the float32 microkernel runs over it.
 //
+// bfloat16 (built only where the compiler targets AVX512-BF16, i.e. -march=native on such a CPU; elsewhere
+// linear_bf16_kernel() is 0): the panels hold pairs of consecutive k, [ceil(N / NR)][ceil(K / 2)][NR] pairs of
+// bf16 (the odd K's last pair padded with 0), the layout vdpbf16ps reads: one instruction multiplies VEC columns'
+// pairs by a broadcast pair of x and adds both products to the VEC float32 accumulators (Intel SDM, VDPBF16PS;
+// the products of two bf16 are exact in float32, each step rounds to nearest even, denormals flush to zero). x is
+// rounded to bf16 (nearest even) into a per-thread buffer once per call. K is padded to whole AMX tiles (32 k).
+// Where the CPU also has AMX (and Linux grants the process its tile state), every call runs AMX tiles (Intel SDM,
+// TDPBF16PS: a 16 x 16 float32 block of y += a 16-row x 32-k block of x times a 32-k x 16-column block of the
+// panel, the panel's rows read with stride NR pairs): on this project's 2-core Xeon (AMX, AVX512-BF16) vdpbf16ps
+// ran at about 40 % of the float32 FMA peak (register-only loop), AMX many times above it. Otherwise the float32
+// tiles with a k-pair per step (vdpbf16ps). Either way every row goes through the same instructions over the same
+// k blocks whatever the batch (AMX tiles always have 16 rows, x zero-padded), so results are batch-invariant on
+// a given CPU; AMX and vdpbf16ps machines may differ in the last bits.
+//
 // Work is split over panels across the calling thread's OpenMP team (static schedule; the engine's CPU threads,
 // torch.set_num_threads); with one thread it runs on the caller.
 
@@ -27,8 +42,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+
+#include "cpu_amx.h"
+#include "cpu_math.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -37,6 +56,7 @@ using omni::load_vec;
 using omni::splat;
 using omni::store_vec;
 using omni::vf;
+using omni::bf16_bits;
 using omni::VEC;
 
 #if defined(__AVX512F__)
@@ -45,6 +65,16 @@ constexpr int MR = 12;
 constexpr int MR = 6;
 #endif
 constexpr int NR = 2 * VEC;
+
+// Two bfloat16 of consecutive k (the lower k in the low half): one element of a bf16 panel or of bf16 x.
+struct Bf16Pair {
+  uint32_t bits;
+};
+
+// The x a tile reads for a Weight: bf16 pairs for bf16 panels, else float32.
+template <typename Weight>
+using Input = std::conditional_t<std::is_same_v<Weight, Bf16Pair>, Bf16Pair, float>;
+
 
 // Write an R x NR tile (columns [0, cols)) of accumulators to y: y = scale * acc + bias (+ y).
 template <int R>
@@ -85,10 +115,12 @@ inline void write_tile(const vf (&acc)[R][2], float* y, int64_t ldy, int cols, c
 // order, so an output's value does not depend on R, P or where its row falls in the batch (batch-invariant).
 // Small R take several panels at once (P > 1) so that at least 8 independent multiply-add chains cover the FMA
 // units' latency (4 cycles, 2 units). Weight is float (float32 panels) or int8_t (widened in registers). While it
-// runs, the tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`).
+// runs, the tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`). Bf16Pair panels take bf16
+// x and K counts pairs (see the file comment).
 template <int R, int P, typename Weight>
-void tile(const float* x, int64_t ldx, const Weight* panel, int64_t K, float* y, int64_t ldy, int64_t n_left,
-          const float* scale, const float* bias, bool accumulate, const char* ahead, int64_t ahead_lines) {
+void tile(const Input<Weight>* x, int64_t ldx, const Weight* panel, int64_t K, float* y, int64_t ldy,
+          int64_t n_left, const float* scale, const float* bias, bool accumulate, const char* ahead,
+          int64_t ahead_lines) {
   vf acc[P][R][2] = {};
   const int64_t lines_per_k = K > 0 ? (ahead_lines + K - 1) / K : 0;
   const char* const ahead_end = ahead + ahead_lines * 64;
@@ -96,18 +128,30 @@ void tile(const float* x, int64_t ldx, const Weight* panel, int64_t K, float* y,
     for (int64_t i = 0; i < lines_per_k && ahead < ahead_end; ++i, ahead += 64) __builtin_prefetch(ahead, 0, 2);
     for (int j = 0; j < P; ++j) {
       const Weight* w = panel + (j * K + k) * NR;
-      vf w0, w1;
-      if constexpr (sizeof(Weight) == 1) {
-        w0 = omni::widen_i8(w);
-        w1 = omni::widen_i8(w + VEC);
+      if constexpr (std::is_same_v<Weight, Bf16Pair>) {
+#if defined(__AVX512BF16__)
+        const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
+        const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + VEC));
+        for (int r = 0; r < R; ++r) {
+          const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * ldx + k].bits)));
+          acc[j][r][0] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[j][r][0]), a, w0));
+          acc[j][r][1] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[j][r][1]), a, w1));
+        }
+#endif
       } else {
-        w0 = load_vec(w);
-        w1 = load_vec(w + VEC);
-      }
-      for (int r = 0; r < R; ++r) {
-        const vf a = splat(x[r * ldx + k]);
-        acc[j][r][0] += a * w0;
-        acc[j][r][1] += a * w1;
+        vf w0, w1;
+        if constexpr (sizeof(Weight) == 1) {
+          w0 = omni::widen_i8(w);
+          w1 = omni::widen_i8(w + VEC);
+        } else {
+          w0 = load_vec(w);
+          w1 = load_vec(w + VEC);
+        }
+        for (int r = 0; r < R; ++r) {
+          const vf a = splat(x[r * ldx + k]);
+          acc[j][r][0] += a * w0;
+          acc[j][r][1] += a * w1;
+        }
       }
     }
   }
@@ -121,8 +165,8 @@ void tile(const float* x, int64_t ldx, const Weight* panel, int64_t K, float* y,
 }
 
 template <typename Weight>
-using Tile = void (*)(const float*, int64_t, const Weight*, int64_t, float*, int64_t, int64_t, const float*,
-                      const float*, bool, const char*, int64_t);
+using Tile = void (*)(const Input<Weight>*, int64_t, const Weight*, int64_t, float*, int64_t, int64_t,
+                      const float*, const float*, bool, const char*, int64_t);
 
 template <typename Weight, int... R>
 constexpr Tile<Weight> tiles[] = {nullptr, tile<R, 1, Weight>...};
@@ -154,15 +198,16 @@ constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 // 1-2 rows go through bytes about 4x faster than that, and prefetching the next unit's panels too took 13-19 % off
 // their time (measured on this project's AMD EPYC, AVX2; at 4 rows it cost 6-13 %, so it is not done there).
 // int8 with more than MR rows widens each panel once into a thread-local fp32 buffer and runs the float32 tiles.
+// For Bf16Pair panels x is bf16 pairs and K counts pairs.
 template <typename Weight>
-void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, const float* scales, int64_t N,
-         const float* bias, float* y, int64_t ldy, bool accumulate) {
+void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, const float* scales,
+         int64_t N, const float* bias, float* y, int64_t ldy, bool accumulate) {
   if (M <= 0) return;
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t panel_bytes = K * NR * static_cast<int64_t>(sizeof(Weight));
   const char* const packed_end = reinterpret_cast<const char*>(packed) + panels * panel_bytes;
   const bool widen = sizeof(Weight) == 1 && M > MR;
-  const int64_t num_tiles = widen || sizeof(Weight) == 4 ? (M + MR - 1) / MR : 1;
+  const int64_t num_tiles = widen || sizeof(Weight) != 1 ? (M + MR - 1) / MR : 1;
   const bool prefetch = num_tiles > 1 || (sizeof(Weight) == 1 && M <= 2);
   const int group = panels_per_tile(M);
   const int64_t groups = group > 1 ? panels / group : 0;
@@ -187,19 +232,21 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed
         one(x, ldx, panel, K, y + p * NR, ldy, n_left, s, b, accumulate, next, next_lines);
         continue;
       }
-      const float* fp32_panel = reinterpret_cast<const float*>(panel);
-      if (widen) {
+      // the panel the tiles read: int8 widened to float32, the others as packed
+      using TileWeight = std::conditional_t<sizeof(Weight) == 1, float, Weight>;
+      const TileWeight* tile_panel = reinterpret_cast<const TileWeight*>(panel);
+      if constexpr (sizeof(Weight) == 1) {
         for (int64_t i = 0; i < K * NR; i += VEC) store_vec(widened.data() + i, omni::widen_i8(
             reinterpret_cast<const int8_t*>(panel) + i));
-        fp32_panel = widened.data();
+        tile_panel = widened.data();
       }
       const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
       for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
         const int64_t from = std::min(t * share, next_lines);
         const int64_t lines = std::min(share, next_lines - from);
-        tiles_for<float>[rows](x + m * ldx, ldx, fp32_panel, K, y + m * ldy + p * NR, ldy, n_left, s, b, accumulate,
-                               next + from * 64, lines);
+        tiles_for<TileWeight>[rows](x + m * ldx, ldx, tile_panel, K, y + m * ldy + p * NR, ldy, n_left, s, b,
+                                    accumulate, next + from * 64, lines);
       }
     }
   }
@@ -220,12 +267,102 @@ void pack_panels(int64_t N, int64_t K, Weight* packed, Value value) {
   }
 }
 
+
+constexpr int64_t PAIR_BLOCK = 16;  // bf16 panels hold a multiple of this many k pairs (one AMX tile's depth)
+
+#if defined(OMNI_AMX)
+static_assert(NR == 32, "the AMX tiles cover a panel with two 16-column tiles");
+constexpr int AMX_ROWS = 32;  // rows of x (and y) per block: two 16-row tiles
+
+// Tiles (omni::configure_tiles): 0-3 y (rows 0-15 / 16-31 x the panel's columns 0-15 / 16-31), 4-5 x (rows 0-15 /
+// 16-31, 32 k), 6-7 the panel (16 k pairs x columns 0-15 / 16-31).
+
+// out[AMX_ROWS][NR] = x rows [0, 16 or 32) of a block (pairs, row stride ldx) times one panel over K pairs
+// (a multiple of PAIR_BLOCK).
+template <bool TWO>
+void amx_block(const Bf16Pair* x, int64_t ldx, const Bf16Pair* panel, int64_t K, float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += PAIR_BLOCK) {
+    _tile_loadd(6, panel + k * NR, NR * 4);
+    _tile_loadd(7, panel + k * NR + 16, NR * 4);
+    _tile_loadd(4, x + k, ldx * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, x + 16 * ldx + k, ldx * 4);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, NR * 4);
+  _tile_stored(1, out + 16, NR * 4);
+  if constexpr (TWO) {
+    _tile_stored(2, out + 16 * NR, NR * 4);
+    _tile_stored(3, out + 16 * NR + 16, NR * 4);
+  }
+}
+
+// y = x @ W^T (+ bias) (+ y) through AMX tiles: x bf16 pairs [ceil(M / AMX_ROWS) * AMX_ROWS][K] (rows from M on
+// zero), K a multiple of PAIR_BLOCK; panels split statically over the threads, each panel's rows in blocks of 32.
+void run_amx(const Bf16Pair* x, int64_t M, int64_t K, const Bf16Pair* packed, int64_t N, const float* bias, float* y,
+             int64_t ldy, bool accumulate) {
+  const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel
+  {
+    omni::configure_tiles();
+    alignas(64) float block[AMX_ROWS * NR];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int cols = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+      for (int64_t m = 0; m < M; m += AMX_ROWS) {
+        const int64_t rows = std::min<int64_t>(AMX_ROWS, M - m);
+        if (rows > 16)
+          amx_block<true>(x + m * K, K, packed + p * K * NR, K, block);
+        else
+          amx_block<false>(x + m * K, K, packed + p * K * NR, K, block);
+        for (int64_t r = 0; r < rows; ++r) {  // (acc + bias) + y, the float32 tiles' order
+          float* row = y + (m + r) * ldy + p * NR;
+          for (int c = 0; c < cols; ++c) {
+            const float v = block[r * NR + c] + (bias ? bias[p * NR + c] : 0.0f);
+            row[c] = accumulate ? row[c] + v : v;
+          }
+        }
+      }
+    }
+    _tile_release();  // leave no tile state live in the thread (oneDNN configures its own)
+  }
+}
+#endif
+
+// Which bf16 kernel this build and process run: 2 AMX, 1 vdpbf16ps, 0 none.
+int bf16_kernel() {
+#if defined(OMNI_AMX)
+  if (omni::amx_permitted()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 }  // namespace
 
 extern "C" {
 
 // Panel width the packed layouts use (columns per panel).
 int64_t linear_panel_width() { return NR; }
+
+// The bfloat16 kernel this build and process run: 2 AMX tiles, 1 vdpbf16ps tiles, 0 none (linear_pack_bf16 and
+// linear_bf16 then do nothing).
+int64_t linear_bf16_kernel() { return bf16_kernel(); }
+
+// k pairs a bf16 panel holds for K: ceil(K / 2) rounded up to a multiple of PAIR_BLOCK.
+int64_t linear_bf16_pairs(int64_t K) { return ((K + 1) / 2 + PAIR_BLOCK - 1) / PAIR_BLOCK * PAIR_BLOCK; }
 
 // w [N, K] float32 (row stride ldw) -> packed [ceil(N / NR)][K][NR] float32.
 void linear_pack_f32(const float* w, int64_t N, int64_t K, int64_t ldw, float* packed) {
@@ -257,6 +394,46 @@ void linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* 
 void linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* packed, const float* scales,
                int64_t N, const float* bias, float* y, int64_t ldy, int64_t accumulate) {
   run<int8_t>(x, M, K, ldx, packed, scales, N, bias, y, ldy, accumulate != 0);
+}
+
+// w [N, K] float32 -> packed [ceil(N / NR)][linear_bf16_pairs(K)][NR] pairs of bfloat16 (see the file comment),
+// each weight rounded to nearest even, k from K on zero.
+void linear_pack_bf16(const float* w, int64_t N, int64_t K, int64_t ldw, uint32_t* packed) {
+  if (bf16_kernel() == 0) return;
+  pack_panels(N, linear_bf16_pairs(K), reinterpret_cast<Bf16Pair*>(packed), [&](int64_t n, int64_t k2) {
+    const float* row = w + n * ldw + 2 * k2;
+    return Bf16Pair{(2 * k2 < K ? bf16_bits(row[0]) : 0u) | (2 * k2 + 1 < K ? bf16_bits(row[1]) << 16 : 0u)};
+  });
+}
+
+// As linear_f32 with the bf16 panels of linear_pack_bf16: x is rounded to bfloat16 (nearest even) first.
+void linear_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32_t* packed, int64_t N,
+                 const float* bias, float* y, int64_t ldy, int64_t accumulate) {
+  const int kernel = bf16_kernel();
+  if (M <= 0 || kernel == 0) return;
+#if defined(__AVX512BF16__)
+  const int64_t pairs = linear_bf16_pairs(K);
+  const int64_t padded_rows = kernel == 2 ? (M + 31) / 32 * 32 : M;  // AMX tiles read whole 16-row blocks
+  thread_local std::vector<Bf16Pair> rounded;  // the caller's thread: x as bf16 pairs, [padded_rows][pairs]
+  if (static_cast<int64_t>(rounded.size()) < padded_rows * pairs) rounded.resize(padded_rows * pairs);
+  std::memset(static_cast<void*>(rounded.data() + M * pairs), 0, (padded_rows - M) * pairs * sizeof(Bf16Pair));
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(rounded.data() + m * pairs);
+    std::memset(dst + K, 0, (2 * pairs - K) * sizeof(uint16_t));  // k from K on
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 lanes = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x + m * ldx + k));
+      _mm256_mask_storeu_epi16(dst + k, lanes, reinterpret_cast<__m256i>(b));
+    }
+  }
+  const Bf16Pair* panels = reinterpret_cast<const Bf16Pair*>(packed);
+#if defined(OMNI_AMX)
+  if (kernel == 2) return run_amx(rounded.data(), M, pairs, panels, N, bias, y, ldy, accumulate != 0);
+#endif
+  run<Bf16Pair>(rounded.data(), M, pairs, pairs, panels, nullptr, N, bias, y, ldy, accumulate != 0);
+#else
+  (void)x, (void)K, (void)ldx, (void)packed, (void)N, (void)bias, (void)y, (void)ldy, (void)accumulate;
+#endif
 }
 
 }  // extern "C"

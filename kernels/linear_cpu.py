@@ -1,6 +1,7 @@
 """Linear layers for CPUs: a C++ kernel (``linear_cpu.cpp``) for ``y = x @ W.T (+ bias) (+ y)`` with W packed
-once into column panels, in float32 or as weight-only int8 (one float32 scale per output channel), built on first
-use (``kernels/cpu_library.py``) and called through ctypes.
+once into column panels, in float32, as weight-only int8 (one float32 scale per output channel) or, where the CPU
+has AVX512-BF16, as bfloat16 (x rounded to bfloat16 too, products summed in float32), built on first use
+(``kernels/cpu_library.py``) and called through ctypes.
 
 Why: the CPU engine's decode steps multiply at most max_num_seqs rows (1-32) by each weight. oneDNN's packed
 float32 path and MKL reach a fraction of one core's FMA rate there, and a batch-1 step is bound by reading the
@@ -10,13 +11,21 @@ weights (540 MB in float32 for SmolLM2-135M); int8 panels read a quarter of that
 Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
 ``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With
 ``accumulate`` the product is added to ``out``'s values (a fused residual add). Each output is one fp32 sum in k
-order (int8: of ``x * q``, times the channel's scale), then the bias, whatever the number of rows: a row's result
-does not depend on the rest of the batch. Threads: the work is split over the calling
+order (int8: of ``x * q``, times the channel's scale; bfloat16: of ``bf16(x) * bf16(W)``, two products per
+step, vdpbf16ps's rounding), then the bias, whatever the number of rows: a row's result does not depend on the rest
+of the batch. Threads: the work is split over the calling
 thread's OpenMP team (torch's), with the GIL released.
 
 int8 quantisation (``pack(weight, "int8")``): symmetric, per output channel: ``s[n] = max_k |W[n, k]| / 127``,
 ``q = round(W / s)`` (round half to even) in [-127, 127]. ``dequantize`` gives the float32 weight the int8 panels
 stand for.
+
+bfloat16 (``pack(weight, "bfloat16")``, only where ``bf16_kernel`` is not None): W rounded to nearest even, as
+``weight.to(torch.bfloat16)``; x is rounded the same way inside each call. The panels hold pairs of consecutive k
+(``[ceil(N / NR), P, NR, 2]``, P = ceil(K / 2) rounded up to a multiple of 16, zero-padded), the operand layout of
+AVX512-BF16's ``vdpbf16ps`` and of AMX's ``tdpbf16ps``; AMX runs them where the CPU has it (see the .cpp for why
+and how). Rounding: each product of two bf16 is exact in float32, the sums round to nearest even with denormals
+flushed to zero.
 """
 
 from __future__ import annotations
@@ -28,15 +37,19 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CpuLibrary, check_cpu_tensor, check_disjoint, check_float32_rows
+from kernels.cpu_library import CpuKernelUnavailable, CpuLibrary, check_cpu_tensor, check_disjoint, check_float32_rows
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC", "-std=c++17"]
-WEIGHT_FORMATS = ("float32", "int8")
+WEIGHT_FORMATS = ("float32", "int8", "bfloat16")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _SIGNATURES = {
     "linear_panel_width": ([], _I64),
+    "linear_bf16_kernel": ([], _I64),
+    "linear_bf16_pairs": ([_I64], _I64),
+    "linear_pack_bf16": ([_PTR, _I64, _I64, _I64, _PTR], None),
+    "linear_bf16": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
     "linear_pack_f32": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "linear_pack_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "linear_f32": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
@@ -49,8 +62,8 @@ class PackedWeight:
     """A ``[out_features, in_features]`` weight in the kernel's layout.
 
     Attributes:
-        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 or int8 (NR: the kernel's panel width), the
-            last panel zero-padded.
+        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 or int8 (NR: the kernel's panel width), or
+            ``[ceil(out_features / NR), P, NR, 2]`` bfloat16 (P pairs of k, see the module docstring); zero-padded.
         scales: ``[out_features]`` float32 per-channel scales of int8 panels; None for float32.
     """
 
@@ -61,8 +74,8 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
-        """"int8" or "float32", from the panels' dtype."""
-        return "int8" if self.panels.dtype == torch.int8 else "float32"
+        """"int8", "bfloat16" or "float32", from the panels' dtype."""
+        return {torch.int8: "int8", torch.bfloat16: "bfloat16"}.get(self.panels.dtype, "float32")
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +89,8 @@ class CpuLinearKernels(CpuLibrary):
 
     Attributes:
         panel_width: NR, the output channels per packed panel (16 with AVX2, 32 with AVX-512, 8 portable).
+        bf16_kernel: what runs the bfloat16 panels here: "amx" (AMX tiles: the CPU has AMX-BF16 and Linux granted
+            the process its tile state), "avx512_bf16" (vdpbf16ps) or None (this CPU, or build, has neither).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
@@ -88,18 +103,32 @@ class CpuLinearKernels(CpuLibrary):
     def __init__(self, build_dir: str | os.PathLike):
         super().__init__(build_dir)
         self.panel_width = int(self._fn["linear_panel_width"]())
+        self.bf16_kernel = {2: "amx", 1: "avx512_bf16"}.get(int(self._fn["linear_bf16_kernel"]()))
+
+    def _shape(self, weight_format: str, n: int, k: int) -> tuple[int, ...]:
+        if weight_format == "bfloat16":
+            return (-(-n // self.panel_width), int(self._fn["linear_bf16_pairs"](k)), self.panel_width, 2)
+        return (-(-n // self.panel_width), k, self.panel_width)
 
     def pack(self, weight: torch.Tensor, weight_format: str) -> PackedWeight:
-        """Pack a float32 ``[N, K]`` CPU weight as "float32" or "int8" panels (see the module docstring).
+        """Pack a float32 ``[N, K]`` CPU weight as "float32", "int8" or "bfloat16" panels (see the module
+        docstring).
 
         Raises:
             ValueError: an unknown format, or a weight that is not a float32 CPU matrix with unit stride in K.
+            kernels.cpu_library.CpuKernelUnavailable: "bfloat16" where this build has no bfloat16 panels.
         """
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
         check_float32_rows("weight", weight)
         n, k = weight.shape
-        shape = (-(-n // self.panel_width), k, self.panel_width)
+        shape = self._shape(weight_format, n, k)
+        if weight_format == "bfloat16":
+            if self.bf16_kernel is None:
+                raise CpuKernelUnavailable("bfloat16 panels need AVX512-BF16, which this CPU (or build) lacks")
+            panels = torch.empty(shape, dtype=torch.bfloat16)
+            self._fn["linear_pack_bf16"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr())
+            return PackedWeight(panels, None, n, k)
         if weight_format == "float32":
             panels = torch.empty(shape, dtype=torch.float32)
             self._fn["linear_pack_f32"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr())
@@ -111,22 +140,29 @@ class CpuLinearKernels(CpuLibrary):
 
     def check_packed(self, packed: PackedWeight) -> None:
         """Raise ValueError unless `packed` is laid out as this library packs: contiguous CPU panels of its panel
-        width covering the weight's shape, float32 without scales or int8 with float32 ``[out_features]`` scales
-        (a weight packed by a build with another panel width would be read past its end)."""
-        shape = (-(-packed.out_features // self.panel_width), packed.in_features, self.panel_width)
-        if packed.panels.dtype not in (torch.float32, torch.int8):
-            raise ValueError(f"packed panels must be float32 or int8, got {packed.panels.dtype}")
+        width covering the weight's shape, float32 or bfloat16 without scales or int8 with float32
+        ``[out_features]`` scales (a weight packed by a build with another panel width would be read past its end);
+        bfloat16 only where this build has it."""
+        if packed.panels.dtype not in (torch.float32, torch.int8, torch.bfloat16):
+            raise ValueError(f"packed panels must be float32, int8 or bfloat16, got {packed.panels.dtype}")
+        if packed.panels.dtype == torch.bfloat16 and self.bf16_kernel is None:
+            raise ValueError("bfloat16 panels need a build with AVX512-BF16, which this one lacks")
+        shape = self._shape(packed.format, packed.out_features, packed.in_features)
         check_cpu_tensor("packed panels", packed.panels, packed.panels.dtype, shape)
         if packed.panels.dtype == torch.int8:
             if packed.scales is None:
                 raise ValueError("int8 panels need their per-channel scales")
             check_cpu_tensor("scales", packed.scales, torch.float32, (packed.out_features,))
         elif packed.scales is not None:
-            raise ValueError("float32 panels take no scales")
+            raise ValueError(f"{packed.format} panels take no scales")
 
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
-        """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s``)."""
-        weight = packed.panels.permute(0, 2, 1).reshape(-1, packed.in_features)[: packed.out_features].float()
+        """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s``; for bfloat16 the
+        rounded weight, exactly)."""
+        n, k = packed.out_features, packed.in_features
+        if packed.panels.dim() == 4:  # bfloat16 pairs: [panels, k / 2, NR, 2] -> [panels * NR, k / 2 * 2]
+            return packed.panels.permute(0, 2, 1, 3).reshape(-1, packed.panels.shape[1] * 2)[:n, :k].float()
+        weight = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
         return weight if packed.scales is None else weight * packed.scales[:, None]
 
     def linear(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
@@ -156,7 +192,10 @@ class CpuLinearKernels(CpuLibrary):
         if m == 0:
             return out
         bias_ptr = None if bias is None else bias.data_ptr()
-        if packed.scales is None:
+        if packed.panels.dtype == torch.bfloat16:
+            self._fn["linear_bf16"](x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(), n, bias_ptr,
+                                    out.data_ptr(), out.stride(0), int(accumulate))
+        elif packed.scales is None:
             self._fn["linear_f32"](x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(), n, bias_ptr,
                                    out.data_ptr(), out.stride(0), int(accumulate))
         else:

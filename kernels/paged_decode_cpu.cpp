@@ -139,10 +139,10 @@ inline void for_each_token(const T* cache, const int32_t* table, int64_t len, in
 // Portable path. One sequence, one KV head h: its `group` query heads (fp32, pre-scaled, [group][head_dim] in
 // `q`) against the first `len` tokens; scores [group][len] and acc [group][head_dim] are scratch; writes the
 // group's rows of `out` (out_head_stride apart).
-template <typename T>
+template <typename T, typename O>
 void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, int64_t group,
             int64_t head_dim, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
-            float* scores, float* acc, T* out, int64_t out_head_stride) {
+            float* scores, float* acc, O* out, int64_t out_head_stride) {
   for_each_token(k_cache, table, len, block_size, k_stride, h, head_dim, [&](int64_t t, const T* k) {
     for (int64_t g = 0; g < group; ++g) {  // scores[g, t] = q_g . k_t
       const float* qg = q + g * head_dim;
@@ -209,10 +209,10 @@ inline vf load_vec(const fp16* p) {
 #endif
 }
 #endif
-template <typename T, int HEAD_DIM, int GROUP>
+template <typename T, int HEAD_DIM, int GROUP, typename O>
 void attend_simd(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
                  int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h, float* scores,
-                 T* out, int64_t out_head_stride) {
+                 O* out, int64_t out_head_stride) {
   constexpr int C = HEAD_DIM / VEC;
   vf qv[GROUP][C];
   for (int g = 0; g < GROUP; ++g)
@@ -245,28 +245,29 @@ void attend_simd(const float* q, const T* k_cache, const T* v_cache, const int32
 }
 
 // Runs attend_simd<T, HEAD_DIM, group> for group 1..8; false (nothing run) for other groups.
-template <typename T, int HEAD_DIM, int GROUP = 1>
+template <typename T, int HEAD_DIM, int GROUP = 1, typename O>
 bool dispatch_group(int64_t group, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
                     int64_t len, int64_t block_size, const int64_t* k_stride, const int64_t* v_stride, int64_t h,
-                    float* scores, T* out, int64_t out_head_stride) {
+                    float* scores, O* out, int64_t out_head_stride) {
   if constexpr (GROUP > 8) {
     return false;
   } else {
     if (group == GROUP) {
-      attend_simd<T, HEAD_DIM, GROUP>(q, k_cache, v_cache, table, len, block_size, k_stride, v_stride, h, scores,
+      attend_simd<T, HEAD_DIM, GROUP, O>(q, k_cache, v_cache, table, len, block_size, k_stride, v_stride, h, scores,
                                       out, out_head_stride);
       return true;
     }
-    return dispatch_group<T, HEAD_DIM, GROUP + 1>(group, q, k_cache, v_cache, table, len, block_size, k_stride,
+    return dispatch_group<T, HEAD_DIM, GROUP + 1, O>(group, q, k_cache, v_cache, table, len, block_size, k_stride,
                                                   v_stride, h, scores, out, out_head_stride);
   }
 }
 
 // Returns -1, or the first row (in the order the threads met them) whose context length needs more than
 // `max_blocks` blocks or whose block table names a block outside [0, num_blocks): such rows are left as zeros.
-template <typename T>
-int64_t decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-               const int32_t* context_lens, T* out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+// Query and output are Q (the cache's dtype, or float32 over a bf16 cache: the bf16 CPU step's activations).
+template <typename Q, typename T>
+int64_t decode(const Q* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+               const int32_t* context_lens, Q* out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_blocks,
                const int64_t* q_stride, const int64_t* k_stride, const int64_t* v_stride, int64_t table_stride,
                const int64_t* out_stride, float scale) {
@@ -285,7 +286,7 @@ int64_t decode(const T* query, const T* k_cache, const T* v_cache, const int32_t
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = context_lens[b];
-      T* out_b = out + b * out_stride[0];
+      Q* out_b = out + b * out_stride[0];
       const int32_t* table = block_tables + b * table_stride;
       const int64_t blocks = len > 0 ? (len + block_size - 1) / block_size : 0;
       bool valid = blocks <= max_blocks;
@@ -302,10 +303,10 @@ int64_t decode(const T* query, const T* k_cache, const T* v_cache, const int32_t
       scores.resize(group * len);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         for (int64_t g = 0; g < group; ++g) {
-          const T* src = query + b * q_stride[0] + (h * group + g) * q_stride[1];
+          const Q* src = query + b * q_stride[0] + (h * group + g) * q_stride[1];
           for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = load(src[d]) * scale;
         }
-        T* out_h = out_b + h * group * out_stride[1];
+        Q* out_h = out_b + h * group * out_stride[1];
         if (head_dim == 64 && dispatch_group<T, 64>(group, q.data(), k_cache, v_cache, table, len, block_size,
                                                     k_stride, v_stride, h, scores.data(), out_h, out_stride[1]))
           continue;
@@ -325,19 +326,21 @@ int64_t decode(const T* query, const T* k_cache, const T* v_cache, const int32_t
 
 }  // namespace
 
-#define DEFINE_DECODE(NAME, T)                                                                                   \
+#define DEFINE_DECODE(NAME, Q, T)                                                                                 \
   extern "C" int64_t NAME(const void* query, const void* k_cache, const void* v_cache,                         \
                           const int32_t* block_tables, const int32_t* context_lens, void* out, int64_t batch,   \
                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,     \
                           int64_t num_blocks, int64_t max_blocks, const int64_t* q_stride,                     \
                           const int64_t* k_stride, const int64_t* v_stride, int64_t table_stride,              \
                           const int64_t* out_stride, float scale) {                                            \
-    return decode<T>(static_cast<const T*>(query), static_cast<const T*>(k_cache),                             \
-                     static_cast<const T*>(v_cache), block_tables, context_lens, static_cast<T*>(out), batch,  \
-                     num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks, q_stride,        \
-                     k_stride, v_stride, table_stride, out_stride, scale);                                     \
+    return decode<Q, T>(static_cast<const Q*>(query), static_cast<const T*>(k_cache),                                \
+                        static_cast<const T*>(v_cache), block_tables, context_lens, static_cast<Q*>(out),            \
+                        batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks,              \
+                        q_stride, k_stride, v_stride, table_stride, out_stride, scale);                              \
   }
 
-DEFINE_DECODE(paged_decode_f32, float)
-DEFINE_DECODE(paged_decode_bf16, bf16)
-DEFINE_DECODE(paged_decode_f16, fp16)
+DEFINE_DECODE(paged_decode_f32, float, float)
+DEFINE_DECODE(paged_decode_bf16, bf16, bf16)
+DEFINE_DECODE(paged_decode_f16, fp16, fp16)
+// float32 query and output over bfloat16 caches (the bfloat16 C++ CPU step, kernels/cpu_decode_step.cpp)
+DEFINE_DECODE(paged_decode_f32_bf16, float, bf16)

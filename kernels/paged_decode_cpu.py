@@ -10,7 +10,8 @@ in 0.41-0.50 ms with the blocks in allocation order and about 0.7 ms with them s
 
 Contract: the same as :func:`kernels.paged_decode.paged_decode_attention` (query ``[B, Hq, D]``, caches
 ``[num_blocks, block_size, Hkv, D]``, int32 block tables ``[B, max_blocks_per_seq]`` and ``context_lens [B]``;
-output ``[B, Hq, D]`` in the query dtype; rows with ``context_lens == 0`` are zeros), with CPU tensors.
+output ``[B, Hq, D]`` in the query dtype; rows with ``context_lens == 0`` are zeros), with CPU tensors; a float32
+query may also read bfloat16 caches (the bfloat16 C++ CPU step's activations are float32; output float32).
 Precision: scores, softmax and the ``P @ V`` accumulation in fp32, the result rounded once to the cache dtype
 (at least as precise as the Triton kernel, which rounds P to the input dtype).
 
@@ -34,6 +35,7 @@ from kernels.paged_decode import _check
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC", "-std=c++17"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
+_F32_OVER_BF16 = "paged_decode_f32_bf16"  # float32 query and output, bfloat16 caches
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
@@ -43,7 +45,8 @@ _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _
 class CpuPagedDecode(CpuLibrary):
     """The built kernel (`kernels.cpu_library.CpuLibrary`: built in ``build_dir`` on first use). Call it as
     :func:`kernels.paged_decode.paged_decode_attention` on CPU tensors; its entry points are ``paged_decode_f32``,
-    ``paged_decode_bf16`` and ``paged_decode_f16``, by cache dtype.
+    ``paged_decode_bf16`` and ``paged_decode_f16``, by cache dtype, and ``paged_decode_f32_bf16`` (float32 query and
+    output over bfloat16 caches; the bfloat16 C++ step, ``kernels/cpu_decode_step.py``, calls it from C++ too).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
@@ -51,7 +54,7 @@ class CpuPagedDecode(CpuLibrary):
 
     SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
     FLAGS = _FLAGS
-    SIGNATURES = {symbol: (_ARGTYPES, ctypes.c_int64) for symbol in _SYMBOLS.values()}
+    SIGNATURES = {symbol: (_ARGTYPES, ctypes.c_int64) for symbol in (*_SYMBOLS.values(), _F32_OVER_BF16)}
 
     def __call__(
         self,
@@ -79,7 +82,13 @@ class CpuPagedDecode(CpuLibrary):
             ValueError: the inputs break the contract (as the Triton kernel's checks), a tensor is not on the
                 CPU, a last dimension is not contiguous, or a row's length or block table is out of range.
         """
-        _check(query, k_cache, v_cache, block_tables, context_lens, num_splits, out, workspace)
+        mixed = query.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+        if mixed and out is not None and (out.dtype != torch.float32 or out.shape != query.shape):
+            raise ValueError(f"out must be float32 {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}")
+        # a float32 query over bfloat16 caches is checked as a query of the caches' dtype (a copy of a decode
+        # step's few rows)
+        _check(query.to(k_cache.dtype) if mixed else query, k_cache, v_cache, block_tables, context_lens, num_splits,
+               None if mixed else out, workspace)
         for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}; this kernel runs on CPU tensors")
@@ -94,7 +103,7 @@ class CpuPagedDecode(CpuLibrary):
             return out
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, k_cache, v_cache, out)]
-        bad_row = self._fn[_SYMBOLS[query.dtype]](
+        bad_row = self._fn[_F32_OVER_BF16 if mixed else _SYMBOLS[query.dtype]](
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim, block_size,
             num_blocks, block_tables.shape[1], strides[0], strides[1], strides[2], block_tables.stride(0),

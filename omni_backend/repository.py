@@ -10,9 +10,10 @@ Every setting is declared once, where it is used (omni_backend/settings.py): the
 preprocess's in `stages.preprocess.PreprocessSettings`, the encoders' in `stages.media_encoder.EncoderSettings`
 (`encoder_<field>`), the diffusion stage's in `stages.diffusion.DiffusionSettings` (`diffusion_<field>`) and the voice
 stage's in `stages.talker.TalkerSettings` (`talker_<field>`) and `stages.code2wav.Code2WavSettings`
-(`code2wav_<field>`). `Settings` is made from those declarations (`SETTING_GROUPS`), the llm model's whole
-`parameters` block is rendered from them (`${llm_parameters}`), and the table in docs/operations.md is
-`settings_table()` (`python -m omni_backend.repository --table` prints it).
+(`code2wav_<field>`); the front door's `serving.config.FrontDoorSettings` (`openai_<field>`) are in the table too,
+read by the front door from the environment, not rendered. `Settings` is made from those declarations
+(`SETTING_GROUPS`), the llm model's whole `parameters` block is rendered from them (`${llm_parameters}`), and the
+table in docs/operations.md is `settings_table()` (`python -m omni_backend.repository --table` prints it).
 
 Derived placeholders: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
 KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU),
@@ -32,6 +33,7 @@ import re
 from pathlib import Path
 
 from omni_backend import paths
+from omni_backend.serving.config import FrontDoorSettings
 from omni_backend.settings import Spec, declared, operator_name, parse_text, to_text
 from omni_backend.stages.diffusion import DiffusionSettings
 from omni_backend.stages.llm.parameters import SETTING_GROUPS as LLM_SETTING_GROUPS
@@ -48,8 +50,8 @@ _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (
     *LLM_SETTING_GROUPS, (PreprocessSettings, ""), (EncoderSettings, EncoderSettings.PREFIX),
     (DiffusionSettings, DiffusionSettings.PREFIX), (TalkerSettings, TalkerSettings.PREFIX),
-    (Code2WavSettings, Code2WavSettings.PREFIX))
-"""Every operator setting the repository renders: (declaring class, name prefix)."""
+    (Code2WavSettings, Code2WavSettings.PREFIX), (FrontDoorSettings, FrontDoorSettings.PREFIX))
+"""Every operator setting: (declaring class, name prefix); the repository renders all but the front door's."""
 
 
 def _declarations() -> dict[str, tuple[dataclasses.Field, Spec]]:

@@ -13,6 +13,10 @@ PROMPT_TOKEN_IDS = "prompt_token_ids"  # INT32 [n]: a prompt given as token ids
 PROMPT_IS_TEXT = "prompt_is_text"  # BOOL [1]: text_input is a plain prompt even when it starts with '['
 ADD_GENERATION_PROMPT = "add_generation_prompt"  # BOOL [1]: the chat template opens the assistant's turn
 CONTINUE_FINAL_MESSAGE = "continue_final_message"  # BOOL [1]: the prompt ends inside the last assistant message
+TOOLS = "tools"  # BYTES [1]: a JSON array of OpenAI tool definitions shown to the model (preprocess)
+# structured output, as TensorRT-LLM's backend names them (vocabulary.SAMPLING_FIELDS' guide_type and guide)
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # BYTES [1]: json, json_schema, regex or ebnf_grammar
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # BYTES [1]: the schema, regex or grammar
 
 # preprocess -> llm
 INPUT_IDS = "input_ids"  # INT32 [n]

@@ -22,6 +22,7 @@ import re
 from dataclasses import MISSING, dataclass
 from enum import Enum
 
+from omni_backend import tensor_names as T
 from omni_backend.engine.limits import ContextLengthExceeded
 from omni_backend.engine.sampling_params import RANGES, Range, SamplingParams
 
@@ -53,13 +54,15 @@ class RequestField:
 
     @property
     def allowed(self) -> Range | None:
-        """The values a client may send: `range` within what the tensor's datatype holds (max_tokens: [1, 2**31 - 1]);
-        None for booleans and strings."""
+        """The values a client may send: `range` within what the tensor's datatype holds (max_tokens: [1, 2**31 - 1];
+        top_p: [2**-149, 1], as (0, 1] in FP32); None for booleans and strings."""
         own, holds = self.range, DATATYPE_RANGES.get(self.datatype)
         if own is None or holds is None:
             return own
         lows = [(low, open_) for low, open_ in ((own.low, own.low_open), (holds.low, holds.low_open)) if low is not None]
         low, low_open = max(lows, key=lambda item: (item[0], item[1])) if lows else (None, False)
+        if low == 0 and low_open and self.datatype in SMALLEST_POSITIVE:  # a tinier positive number becomes 0 there
+            low, low_open = SMALLEST_POSITIVE[self.datatype], False
         highs = [high for high in (own.high, holds.high) if high is not None]
         return Range(low, min(highs) if highs else None, low_open, own.integer)
 
@@ -97,6 +100,9 @@ SAMPLING_FIELDS: tuple[RequestField, ...] = (
     RequestField("ignore_eos", "ignore_eos", "BOOL", ("ignore_eos",)),
     RequestField("logprobs", "logprobs", "INT32", ("logprobs", "top_logprobs")),
     RequestField("prompt_logprobs", "prompt_logprobs", "INT32", ("prompt_logprobs",)),
+    # the front door derives them from response_format (or vLLM's structured_outputs, whose errors it renames)
+    RequestField("guide_type", T.GUIDED_DECODING_GUIDE_TYPE, "BYTES", ("response_format.type",)),
+    RequestField("guide", T.GUIDED_DECODING_GUIDE, "BYTES", ("response_format",)),
 )
 BY_PARAM = {f.param: f for f in SAMPLING_FIELDS}
 BY_TENSOR = {f.tensor: f for f in SAMPLING_FIELDS}
@@ -113,6 +119,9 @@ DATATYPE_RANGES: dict[str, Range] = {
     "FP64": Range(None),
 }
 """Triton numeric datatype -> the values a tensor of it holds exactly (floats: finite and within range)."""
+SMALLEST_POSITIVE = {"FP16": 2.0**-24, "FP32": 2.0**-149}
+"""Triton float datatype -> its smallest positive value (the least subnormal, IEEE 754): a positive number below
+it is stored as 0."""
 
 
 def tensor_value_problem(datatype: str, value) -> str | None:

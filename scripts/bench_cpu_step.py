@@ -1,17 +1,29 @@
 """Benchmark the CPU engine's step: decode-step time at batch 1, 8 and 32 and prefill rate, for each way the CPU
-step can run its matmuls (a benchmark, not a test; results in benchmarks/results/cpu_step.json).
+step can run its matmuls, against the machine's limits (a benchmark, not a test; results in
+benchmarks/results/cpu_step.json unless --output).
 
 Variants (same model, same process, interleaved rounds, one engine at a time):
 - ``onednn``: the torch modules with oneDNN-packed float32 weights (`engine/cpu_linear.py`), the CPU path before
   the C++ kernels, and what runs where they cannot be built;
-- ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the CPU default;
-- ``kernels-int8``: the same with weight-only int8 panels (quantization "int8").
+- ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the float32 default;
+- ``kernels-int8``: the same with weight-only int8 panels (quantization "int8");
+- ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX or vdpbf16ps, bf16 KV cache; AVX512-BF16
+  CPUs only);
+- ``onednn-bfloat16``: the torch modules in bfloat16 on oneDNN-packed weights (what bfloat16 ran before).
+
+Machine limits (`kernels/machine_limits.py`, measured before every round with the same threads, the best of the
+rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps and AMX. Each variant's steps are
+then reported as fractions of their bounds: batch 1 against the bandwidth bound (the bytes of its packed
+projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache reads at these
+contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul weights FLOP per
+token / the peak of the instruction the variant multiplies with: FMA for float32 and int8, AMX where the CPU has it
+else vdpbf16ps for bfloat16). Attention, norms and sampling count as overhead, so 100 % is out of reach.
 
 Each round builds each variant's engine (1 torch thread unless --threads), fills it with `batch` prompts of
 --prompt-tokens tokens, and times --steps decode steps (the median step is reported) and one prefill of
 --prefill-tokens tokens. Prints per-variant medians over rounds and the ratios to ``onednn``; names the CPU.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py            # about 4 minutes on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py            # about 7 minutes on 2 cores
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py --rounds 1 --steps 3 --results-dir /tmp/x
 """
 
@@ -27,7 +39,9 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_library import CpuKernelUnavailable
+from kernels.machine_limits import MachineLimits
 from omni_backend import paths
+from omni_backend.engine.cpu_dtype import LayerShape
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.models.llama_cpu import CpuLlamaForward
@@ -37,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as serving  # noqa: E402  (its cpu_info)
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
-VARIANTS = ("onednn", "kernels-float32", "kernels-int8")
+VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "onednn-bfloat16")
+WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1, "kernels-bfloat16": 2, "onednn-bfloat16": 2}
 
 
 def _without_cpu_kernels(*_args, **_kwargs):
@@ -45,10 +60,10 @@ def _without_cpu_kernels(*_args, **_kwargs):
 
 
 def build_engine(variant: str, threads: int) -> LLMEngine:
-    config = EngineConfig(model_path=str(MODEL), dtype="float32", max_num_seqs=32, kv_cache_bytes=512 << 20,
-                          cpu_threads=threads, enable_prefix_caching=False,
+    config = EngineConfig(model_path=str(MODEL), dtype="bfloat16" if variant.endswith("bfloat16") else "float32",
+                          max_num_seqs=32, kv_cache_bytes=512 << 20, cpu_threads=threads, enable_prefix_caching=False,
                           quantization="int8" if variant == "kernels-int8" else "none")
-    if variant != "onednn":
+    if not variant.startswith("onednn"):
         return LLMEngine(config)
     original = CpuLlamaForward.__dict__["build"]
     CpuLlamaForward.build = _without_cpu_kernels  # the model registry's CPU step for SmolLM2 (Llama)
@@ -88,6 +103,35 @@ def prefill_tok_s(engine: LLMEngine, tokens: int, seed: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def machine_limits(threads: int) -> dict:
+    """Bandwidths (bytes/s) and peaks (FLOP/s) with `threads` torch threads (see the module docstring)."""
+    torch.set_num_threads(threads)
+    limits = MachineLimits(paths.cache_dir() / "kernels")
+    return {"read_bytes_per_s": limits.read_bytes_per_s(), "triad_bytes_per_s": limits.triad_bytes_per_s(),
+            **{f"peak_{name}_flops": limits.peak_flops(name) for name in ("fma_f32", "dot_bf16", "amx_bf16")}}
+
+
+def fractions(variant: str, row: dict, limits: dict, hf_config) -> dict:
+    """The row's decode steps and prefill as fractions of their bounds (see the module docstring)."""
+    shape = LayerShape.of(hf_config)
+    weights = hf_config.num_hidden_layers * sum(n * k for n, k in shape.weights()) + \
+        hf_config.vocab_size * hf_config.hidden_size
+    if variant.endswith("bfloat16"):
+        peak = limits["peak_amx_bf16_flops"] or limits["peak_dot_bf16_flops"]
+    else:
+        peak = limits["peak_fma_f32_flops"]
+    flop_per_token = 2 * weights
+    out = {"weight_bytes": weights * WEIGHT_BYTES[variant], "flop_per_token": flop_per_token, "peak_flops": peak}
+    if "decode_ms_b1" in row:
+        out["b1_of_bandwidth_bound"] = weights * WEIGHT_BYTES[variant] / limits["read_bytes_per_s"] * 1e3 / \
+            row["decode_ms_b1"]
+    if "decode_ms_b32" in row and peak:
+        out["b32_of_compute_bound"] = 32 * flop_per_token / peak * 1e3 / row["decode_ms_b32"]
+    if peak:
+        out["prefill_of_compute_bound"] = row["prefill_tok_s"] * flop_per_token / peak
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -98,11 +142,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--output", default="cpu_step.json", help="file name in --results-dir")
+    parser.add_argument("--note", default="", help="recorded with the results (e.g. what else ran on the machine)")
     args = parser.parse_args()
     cpu = serving.cpu_info()
     print(f"CPU: {cpu}; {args.threads} torch thread(s)", flush=True)
+    hf_config = None
+    measured_limits = []
     rounds = []
     for r in range(args.rounds):
+        measured_limits.append(machine_limits(args.threads))  # each round: a shared machine's rates drift
+        print("limits: " + " ".join(f"{k} {v / 1e9:.1f}G" for k, v in measured_limits[-1].items()), flush=True)
         order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
         results = {}
         for variant in order:
@@ -111,6 +161,7 @@ def main() -> None:
                    for b in args.batches}
             row["prefill_tok_s"] = prefill_tok_s(engine, args.prefill_tokens, r)
             row["matmuls"] = engine.runner.matmuls
+            hf_config = engine.runner.hf_config
             results[variant] = row
             print(f"round {r + 1} {variant:16s} " + " ".join(
                 f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float)), flush=True)
@@ -126,11 +177,17 @@ def main() -> None:
             ratios = "  speed-up vs onednn: " + " ".join(
                 f"{k} {base[k] / row[k] if k.startswith('decode') else row[k] / base[k]:.2f}x" for k in keys)
         print(f"{variant:16s} " + " ".join(f"{k} {row[k]:.1f}" for k in keys) + ratios)
+    limits = {k: max(rd[k] for rd in measured_limits) for k in measured_limits[0]}  # the best each round saw
+    bounds = {variant: fractions(variant, row, limits, hf_config) for variant, row in medians.items()}
+    print("\nfractions of the bounds (batch 1: bandwidth; batch 32 and prefill: compute):")
+    for variant, row in bounds.items():
+        print(f"{variant:16s} " + " ".join(f"{k} {v:.0%}" for k, v in row.items() if k.endswith("bound")))
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    out = args.results_dir / "cpu_step.json"
-    out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "dtype": "float32",
-                               "prompt_tokens": args.prompt_tokens, "steps": args.steps, "medians": medians,
-                               "rounds": rounds, "argv": sys.argv[1:]}, indent=2) + "\n")
+    out = args.results_dir / args.output
+    out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "note": args.note,
+                               "limits": limits, "limits_by_round": measured_limits, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
+                               "medians": medians, "bounds": bounds, "rounds": rounds, "argv": sys.argv[1:]},
+                              indent=2) + "\n")
     print(f"wrote {out}")
 
 

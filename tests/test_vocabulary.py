@@ -7,6 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from omni_backend.engine.sampling_params import RANGES, SamplingParams
@@ -57,7 +58,9 @@ def test_the_model_configs_declare_the_vocabulary(model):
     the prompt (and the ensembles' max_tokens, see omni_chat/config.pbtxt): a tensor renamed or retyped in one
     place only fails here."""
     inputs = config_inputs(model)
-    absent = {"omni_speech": {"logprobs", "prompt_logprobs"}}.get(model, set())  # speech answers carry none
+    # speech answers carry no logprobs and are not constrained
+    absent = {"omni_speech": {"logprobs", "prompt_logprobs", "guided_decoding_guide_type",
+                              "guided_decoding_guide"}}.get(model, set())
     for field in SAMPLING_FIELDS:
         if field.tensor not in absent:
             optional = model == "preprocess" or field.tensor != "max_tokens"
@@ -65,25 +68,36 @@ def test_the_model_configs_declare_the_vocabulary(model):
     assert inputs["text_input"] == (PROMPT_TENSORS["text_input"], False)
     known = {f.tensor for f in SAMPLING_FIELDS} | set(PROMPT_TENSORS)
     extra = {"omni_speech": {"voice", "audio_format", "speed"},
-             "preprocess": {"add_generation_prompt", "continue_final_message", "prompt_is_text"}}.get(model, set())
+             "preprocess": {"add_generation_prompt", "continue_final_message", "prompt_is_text", "tools"}}
+    extra = extra.get(model, set())
     assert set(inputs) - known == extra
 
 
 def test_the_openai_request_models_take_their_bounds_from_the_vocabulary():
-    """Each OpenAI setting's pydantic bounds are SamplingParams' range, narrowed to what its tensor holds (chat;
-    completions narrow `logprobs` to the legacy API's 5 and allow `max_tokens` 0, tested with the cases)."""
+    """Each OpenAI setting's bounds in the chat request's JSON schema (what pydantic checks and /openapi.json
+    publishes) are SamplingParams' range narrowed to what its tensor holds (chat; completions narrow `logprobs` to
+    the legacy API's 5 and allow `max_tokens` 0, tested with the cases)."""
     checked = set()
-    for name, model_field in protocol.ChatCompletionRequest.model_fields.items():
+    for name, schema in protocol.ChatCompletionRequest.model_json_schema()["properties"].items():
         setting = next((f for f in SAMPLING_FIELDS if name in f.openai), None)
-        if setting is None or setting.range is None or model_field.annotation is bool:  # chat's logprobs: on/off
+        if setting is None or setting.range is None or name == "logprobs":  # chat's logprobs: on/off
             continue
         checked.add(name)
-        bounds = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in model_field.metadata}
-        low_kind = "Gt" if setting.range.low_open else "Ge"
-        assert bounds.get(low_kind) == setting.range.low, name
+        value, allowed = schema["anyOf"][0], setting.allowed
+        assert value["exclusiveMinimum" if allowed.low_open else "minimum"] == allowed.low, name
         holds = DATATYPE_RANGES[setting.datatype].high
-        assert bounds.get("Le") == min(h for h in (setting.range.high, holds) if h is not None), name
+        assert value["maximum"] == allowed.high == min(h for h in (setting.range.high, holds) if h is not None), name
     assert checked >= {"temperature", "top_p", "top_k", "seed", "max_tokens", "top_logprobs", "repetition_penalty"}
+
+
+def test_an_open_bound_at_zero_is_the_smallest_positive_value_the_tensor_holds():
+    """top_p is (0, 1]: 1e-46 > 0 would be stored as 0 in its FP32 tensor, so the client may send from 2**-149 (the
+    least FP32 subnormal) on."""
+    top_p = BY_PARAM["top_p"]
+    assert (top_p.range.low, top_p.range.low_open) == (0.0, True)
+    assert (top_p.allowed.low, top_p.allowed.low_open) == (2.0**-149, False)
+    assert np.float32(top_p.allowed.low) > 0 and np.float32(2.0**-150) == 0
+    assert top_p.problem(1e-46) is not None and top_p.problem(2.0**-149) is None
 
 
 def test_defaults_are_sampling_params_defaults_except_max_tokens():

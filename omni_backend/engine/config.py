@@ -36,7 +36,8 @@ class EngineConfig(SettingGroup):
                               name="llm_model_path")
     device: str = setting("auto", "auto (cuda when torch can use it, else cpu), cpu, cuda (one llm engine per GPU) "
                           "or cuda:N", pattern=DEVICE_PATTERN, forms="auto, cpu, cuda or cuda:N")
-    dtype: str = setting("auto", "weights and activations; auto picks by device (ops/hardware.py)", choices=DTYPES)
+    dtype: str = setting("auto", "weights and activations; auto picks by device (ops/hardware.py), on CPUs with native "
+                         "bfloat16 by measuring (engine/cpu_dtype.py)", choices=DTYPES)
     block_size: int = setting(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
     kv_cache_bytes: int = setting(0, "paged KV cache (K and V, all layers), bytes; 0: 512 MiB on CPU, on a GPU what "
                                   "gpu_memory_utilization leaves (engine/memory.py)", low=0)
@@ -61,6 +62,9 @@ class EngineConfig(SettingGroup):
     quantization: str = setting("none", "int8: weight-only int8 projections and output head, one float32 scale per "
                                 "output channel (CPU engines computing in float32; kernels/linear_cpu.py)",
                                 choices=QUANTIZATIONS)
+    grammar_compile_timeout_s: float = setting(10.0, "longest wait for a request's grammar (structured output) to "
+                                               "compile, seconds; past it the request is refused (400)", low=0.0,
+                                               low_open=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

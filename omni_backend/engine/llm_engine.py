@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -15,13 +16,15 @@ from omni_backend.engine.detokenizer import IncrementalDetokenizer
 from omni_backend.engine.hidden_states import take_hidden_rows
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.model_runner import ModelRunner
-from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
 from omni_backend.engine.scheduler import Scheduler
 from omni_backend.engine.sequence import InputAddends, PromptEmbeds, PromptPositions, Sequence
+from omni_backend.engine.structured_output import GUIDE_FIELD, GrammarCompiler, matcher
 
 logger = logging.getLogger(__name__)
 
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or Inf) for this request"
+GRAMMAR_WAIT_S = 0.005  # the longest a step with nothing to run waits for a grammar being compiled
 
 
 @dataclass
@@ -52,6 +55,8 @@ class RequestOutput:
         cached_tokens: prompt tokens whose KV the prefix cache supplied when the request was first admitted
             (tokens; 0 before admission or without a hit).
         error: why the request ended with finish_reason "error", else None.
+        error_field: the SamplingParams attribute at fault when that error is the request's own (a guide that does
+            not compile, or not in time; `error` then says what is wrong with it), else None.
         hidden_states, input_embeds: for a request with `params.return_hidden_states`, the last-layer hidden
             states and layer-0 input embeddings [k, hidden] float32 of the next k token positions (the prompt's
             first, from position 0; then each generated token fed back: engine/hidden_states.py); else None.
@@ -71,6 +76,7 @@ class RequestOutput:
     error: str | None = None
     hidden_states: torch.Tensor | None = None
     input_embeds: torch.Tensor | None = None
+    error_field: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,7 +94,7 @@ class RequestOutput:
             self.first_token_time if self.first_token_time is not None else later.first_token_time,
             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             later.cached_tokens, later.error, _joined(self.hidden_states, later.hidden_states),
-            _joined(self.input_embeds, later.input_embeds),
+            _joined(self.input_embeds, later.input_embeds), later.error_field,
         )
 
 
@@ -125,6 +131,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = set() if config.talker else self._eos_token_ids(config.model_path)
         self.stalled = False
+        # a talker reads codec ids, never text: it has no tokenizer to compile grammars against
+        self.grammars = None if config.talker else GrammarCompiler(
+            self.tokenizer, self.runner.model.embed_tokens.num_embeddings, sorted(self.eos_token_ids))
+        # requests whose grammar is compiling: (its future, when it was asked for), in arrival order
+        self.awaiting_grammar: dict[str, tuple[concurrent.futures.Future, float]] = {}
         self.requests: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.num_oom_recoveries = 0  # steps retried after a device out-of-memory error
@@ -201,7 +212,13 @@ class LLMEngine:
         """
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id}")
-        self.scheduler.add(seq)
+        if seq.params.guide_type is None:
+            self.scheduler.add(seq)
+        elif self.grammars is None:
+            raise InvalidSamplingParam(GUIDE_FIELD, "a talker engine decodes codec ids; it takes no grammar")
+        else:  # scheduled once its grammar is compiled (`_admit_compiled`)
+            future = self.grammars.submit(seq.params.guide_type, seq.params.guide)
+            self.awaiting_grammar[seq.request_id] = (future, time.monotonic())
         detok = None if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop)
         self.requests[seq.request_id] = _RequestState(seq, detok)
@@ -243,6 +260,7 @@ class LLMEngine:
         state = self.requests.get(request_id)
         if state is None:
             return None
+        self.awaiting_grammar.pop(request_id, None)
         self.scheduler.finish(state.seq, "abort")
         return self._emit(state, final=True)
 
@@ -259,10 +277,14 @@ class LLMEngine:
         Raises:
             torch.OutOfMemoryError: a one-token step still runs out of memory.
         """
+        outputs = self._admit_compiled() if self.awaiting_grammar else []
         batch = self.scheduler.schedule()
         self.stalled = batch.empty and bool(self.requests)
         if batch.empty:
-            return []
+            if self.awaiting_grammar:  # nothing else to run: wait a little for a compile rather than spin
+                concurrent.futures.wait([f for f, _ in self.awaiting_grammar.values()], timeout=GRAMMAR_WAIT_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return outputs
         self.num_steps += 1
         try:
             sampled, result = self.runner.execute(batch)
@@ -274,9 +296,8 @@ class LLMEngine:
             logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token "
                            "budget of %d for a while", batch.total_tokens, len(batch.seqs),
                            self.scheduler.token_budget)
-            return []
+            return outputs
         self.scheduler.step_succeeded()
-        outputs: list[RequestOutput] = []
         if result is None:
             return outputs
         now = time.monotonic()
@@ -287,10 +308,15 @@ class LLMEngine:
                 outputs.append(self._fail(state, NON_FINITE_LOGITS))
                 continue
             token = result.token_ids[row]
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                outputs.append(self._fail(state, f"the sampled token {token} does not fit the request's grammar"))
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.token_ids.append(token)
             reason = self._check_stop(state, token, result.logprobs[row])
+            if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+                reason = "stop"
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             output = self._emit(state, final=reason is not None)
@@ -298,13 +324,42 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _fail(self, state: _RequestState, error: str) -> RequestOutput:
-        """End the request now with finish_reason "error" and `error`; its final output."""
-        logger.error("request %s: %s; ending it with an error", state.seq.request_id, error)
+    def _fail(self, state: _RequestState, error: str, field: str | None = None) -> RequestOutput:
+        """End the request now with finish_reason "error" and `error` (`field`: the request's own setting at
+        fault, see RequestOutput.error_field); its final output."""
+        if field is None:
+            logger.error("request %s: %s; ending it with an error", state.seq.request_id, error)
         self.scheduler.finish(state.seq, "error")
         output = self._emit(state, final=True)
-        output.error = error
+        output.error, output.error_field = error, field
         return output
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is ready, each with a matcher of its own; end those whose guide
+        did not compile, or not within `grammar_compile_timeout_s`, with an error naming the guide."""
+        outputs = []
+        timeout = self.config.grammar_compile_timeout_s
+        for request_id, (future, asked) in list(self.awaiting_grammar.items()):
+            state = self.requests[request_id]
+            params = state.seq.params
+            if not future.done():
+                if time.monotonic() - asked > timeout:
+                    del self.awaiting_grammar[request_id]
+                    self.grammars.forget(params.guide_type, params.guide)
+                    outputs.append(self._fail(state, f"did not compile within {timeout:g} s "
+                                              "(grammar_compile_timeout_s)", GUIDE_FIELD))
+                continue
+            del self.awaiting_grammar[request_id]
+            error = future.exception()
+            if isinstance(error, InvalidSamplingParam):
+                outputs.append(self._fail(state, error.problem, error.field))
+                continue
+            if error is not None:
+                outputs.append(self._fail(state, f"compiling its grammar failed: {error!r}"))
+                continue
+            state.seq.grammar = matcher(future.result())
+            self.scheduler.add(state.seq)
+        return outputs
 
     def _check_stop(self, state: _RequestState, token: int, logprob) -> str | None:
         seq, params = state.seq, state.seq.params

@@ -26,7 +26,7 @@ from transformers import AutoConfig
 from kernels.cpu_library import CpuKernelUnavailable
 from kernels.paged_decode import DecodeWorkspace
 from omni_backend import checkpoints, paths
-from omni_backend.engine import cpu_linear
+from omni_backend.engine import cpu_dtype, cpu_linear
 from omni_backend.engine.attention.interface import AttentionMetadata
 from omni_backend.engine.attention.selector import select_attention
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
@@ -39,6 +39,7 @@ from omni_backend.engine.models import registry
 from omni_backend.engine.models.llama import LlamaForCausalLM
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
 from omni_backend.engine.sampler import Sampler, SampleResult
+from omni_backend.engine.structured_output import apply_grammar_bitmask
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
@@ -62,11 +63,14 @@ class ModelRunner:
             CPU step run its language model (`registry.language_model`).
         attention: the attention backend every layer calls (`attention/selector.py`).
         attention_backend: its name, "cpu", "torch" or "triton"; attention_reason: why it was chosen.
-        matmuls: what runs the projections and the output head: "cpu-kernels-float32" / "cpu-kernels-int8" (the
-            C++ kernels of kernels/linear_cpu.py, through the CPU step the registry names), "onednn-packed" (CPU:
-            bfloat16/float16, or a model without a CPU step), "torch" (GPUs, and CPUs where neither is available).
+        matmuls: what runs the projections and the output head: "cpu-kernels-float32" / "cpu-kernels-int8" /
+            "cpu-kernels-bfloat16" (the C++ kernels of kernels/linear_cpu.py, through the CPU step the registry
+            names; bfloat16 where the CPU has AVX512-BF16), "onednn-packed" (CPU: float16, bfloat16 without
+            AVX512-BF16, or a model without a CPU step), "torch" (GPUs, and CPUs where neither is available).
         fallback_reason: why the attention backend or the matmuls are not the ones chosen first ("" when they
             are; both reasons joined by "; ").
+        dtype: the torch dtype of weights and KV cache; dtype_reason: why (configured, by device, or measured:
+            `cpu_dtype.choose`).
         graph_runner: the decode CUDA graphs, None when decode runs eagerly (CPU, enforce_eager, torch backend).
         kv_plan: the KV cache's size and how it was decided (`memory.KVCachePlan`); memory_profile: what a GPU
             engine measured before sizing it (None on CPU or with an explicit size); graph_pool_bytes: what
@@ -97,8 +101,7 @@ class ModelRunner:
         self.model_class = registry.load(self.language_model.model)
         hf_config = self.model_class.language_model_config(checkpoint_config, self.architecture.multimodal)
         self.hf_config = hf_config
-        self.dtype = select_dtype("float32" if config.quantization != "none" else config.dtype,
-                                  self.device.torch_device)
+        self.dtype, self.dtype_reason, self._bf16_onednn = self._resolve_dtype(config, hf_config)
         self.num_q_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -111,8 +114,8 @@ class ModelRunner:
         self.attention = choice.backend
         self.attention_backend, self.attention_reason = choice.backend.name, choice.reason
         self.fallback_reason = choice.fallback_reason
-        logger.info("architecture %s (language model: %s's); dtype %s; device %s", self.architecture.name,
-                    self.language_model.name, self.dtype, self.device.torch_device)
+        logger.info("architecture %s (language model: %s's); dtype %s (%s); device %s", self.architecture.name,
+                    self.language_model.name, self.dtype, self.dtype_reason, self.device.torch_device)
         self.model = self._build_model(max_positions)
         self.sampler = Sampler()
         self.num_eager_steps = 0
@@ -150,6 +153,22 @@ class ModelRunner:
 
     # --- start-up -------------------------------------------------------------------------------------------
 
+    def _resolve_dtype(self, config: EngineConfig, hf_config) -> tuple[torch.dtype, str, bool]:
+        """(dtype, why, whether bfloat16 runs on oneDNN rather than the C++ step). An explicit dtype is obeyed;
+        quantization computes in float32; "auto" on a CPU with native bfloat16 and a model with a C++ CPU step
+        is decided by measurement (`cpu_dtype.choose`, cached per CPU), elsewhere by the device
+        (`ops.hardware.select_dtype`)."""
+        if config.quantization != "none":
+            return torch.float32, f"quantization {config.quantization} computes in float32", False
+        dtype = select_dtype(config.dtype, self.device.torch_device)
+        if config.dtype != "auto":
+            return dtype, "configured", False
+        if self.device.is_cuda or dtype != torch.bfloat16 or self.language_model.cpu_step is None:
+            return dtype, "auto: by device", False
+        choice = cpu_dtype.choose(cpu_dtype.LayerShape.of(hf_config), config.max_num_seqs,
+                                  paths.cache_dir() / "kernels", paths.cache_dir())
+        return choice.dtype, choice.reason, choice.path == "bfloat16-onednn"
+
     def _build_model(self, max_positions: int) -> LlamaForCausalLM:
         """The registry's model class built on the meta device, cast there (free), then materialised on the
         engine's device in its final dtype and loaded: device memory never holds a float32 copy of bf16/fp16
@@ -165,10 +184,11 @@ class ModelRunner:
         return model.eval()
 
     def _use_cpu_matmuls(self, model: LlamaForCausalLM) -> None:
-        """The CPU step's matmuls (`matmuls`): for float32 the C++ kernels through the CPU step the registry names
-        for the model (models/llama_cpu.py; int8 panels with quantization "int8"); where they cannot be built, a
-        WARNING, the reason in `fallback_reason`, and oneDNN's packed weights as for bfloat16/float16 and for a
-        model without a CPU step; unpacked torch weights where oneDNN cannot pack the dtype either.
+        """The CPU step's matmuls (`matmuls`): for float32 and bfloat16 the C++ kernels through the CPU step the
+        registry names for the model (models/llama_cpu.py; int8 panels with quantization "int8", bfloat16 panels
+        and KV cache for bfloat16); where they cannot be built (bfloat16: a CPU without AVX512-BF16), a WARNING,
+        the reason in `fallback_reason`, and oneDNN's packed weights as for float16 and for a model without a CPU
+        step; unpacked torch weights where oneDNN cannot pack the dtype either.
 
         Raises:
             CpuKernelUnavailable: quantization "int8" and the C++ kernels cannot be built.
@@ -181,10 +201,11 @@ class ModelRunner:
                 raise ValueError(f"quantization {quantization} runs in a C++ CPU step, which the registry names "
                                  f"none for {self.language_model.name}")
             logger.info("CPU matmuls: %s has no C++ CPU step, its torch modules run", self.language_model.name)
-        elif self.dtype == torch.float32:
+        elif self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and not self._bf16_onednn):
+            weight_format = "bfloat16" if self.dtype == torch.bfloat16 else \
+                "int8" if quantization == "int8" else "float32"
             try:
-                forward = registry.load(step).build(model, paths.cache_dir() / "kernels",
-                                                    "int8" if quantization == "int8" else "float32")
+                forward = registry.load(step).build(model, paths.cache_dir() / "kernels", weight_format)
             except CpuKernelUnavailable as exc:
                 if quantization != "none":
                     raise
@@ -388,7 +409,9 @@ class ModelRunner:
         result = None
         if inputs.sampled:
             rows = hidden if inputs.is_decode_only else hidden[inputs.logit_rows]
-            result = self.sampler(self.model.compute_logits(rows), inputs.sampled)
+            logits = self.model.compute_logits(rows)
+            apply_grammar_bitmask(logits, [seq.grammar for seq in inputs.sampled])
+            result = self.sampler(logits, inputs.sampled)
         for seq, count in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += count
             self.block_manager.register_computed_blocks(seq)

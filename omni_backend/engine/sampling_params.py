@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+"""Grammar kinds (TensorRT-LLM's `guided_decoding_guide_type` values; engine/structured_output.py)."""
+MAX_GUIDE_CHARS = 65536
+"""Longest guide (a schema, regex or grammar), characters: bounds what one request can make the compiler do."""
 # Temperatures below this sample greedily (vLLM's SamplingParams uses the same 1e-5, _SAMPLING_EPS): logits / T
 # overflows float32 to inf for a tiny T (1e-38), and the softmax of an inf row is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -101,6 +105,9 @@ class SamplingParams:
         stream: send deltas as they are produced instead of one final response.
         return_hidden_states: outputs carry each token's layer-0 input embedding and last-layer hidden state, for
             the prompt and every generated token fed back (engine/hidden_states.py; what a talker reads).
+        guide_type: constrain the output to a grammar (engine/structured_output.py): one of GUIDE_TYPES, None for
+            free text. "json" is any JSON object (a guide given with it is ignored).
+        guide: the grammar: a JSON schema (as JSON text), a regex or an EBNF grammar (xgrammar's dialect).
     """
 
     max_tokens: int = 16
@@ -120,6 +127,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stream: bool = False
     return_hidden_states: bool = False
+    guide_type: str | None = None
+    guide: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -156,6 +165,24 @@ class SamplingParams:
         for name in ("ignore_eos", "stream", "return_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParam(name, f"must be a boolean, got {getattr(self, name)!r}")
+        self._validate_guide()
+
+    def _validate_guide(self) -> None:
+        """The guide's kind, presence and size (whether it parses: structured_output.check_guide)."""
+        if self.guide_type is None:
+            if self.guide is not None:
+                raise InvalidSamplingParam("guide", "needs a guide_type")
+            return
+        if self.guide_type not in GUIDE_TYPES:
+            raise InvalidSamplingParam("guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got "
+                                       f"{self.guide_type!r}")
+        if self.guide_type == "json":
+            return  # any JSON object: a guide given too is ignored, as TensorRT-LLM's backend does
+        if not isinstance(self.guide, str) or not self.guide:
+            raise InvalidSamplingParam("guide", f"must be a non-empty string for guide_type {self.guide_type}")
+        if len(self.guide) > MAX_GUIDE_CHARS:
+            raise InvalidSamplingParam("guide", f"is too large: {len(self.guide)} characters, at most "
+                                       f"{MAX_GUIDE_CHARS}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":

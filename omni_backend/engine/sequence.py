@@ -167,6 +167,9 @@ class Sequence:
         generator: the request's RNG when it has a seed (same seed + prompt -> same tokens): None until the
             sampler first samples for it, then `torch.Generator(device=<logits' device>).manual_seed(seed)`;
             kept through preemption, so the stream goes on where it stopped.
+        grammar: the `xgrammar.GrammarMatcher` of a request with a guide (engine/structured_output.py), set when
+            its grammar is compiled, advanced with each sampled token; kept through preemption (the generated
+            tokens are kept too). None for free text.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
@@ -194,6 +197,7 @@ class Sequence:
         # (token id, logprob, top alternatives) per prompt token, when params.prompt_logprobs asks (prompt_logprobs.py)
         self.prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] = []
         self.generator: torch.Generator | None = None
+        self.grammar = None
         self.hidden_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_hidden_rows = 0
 

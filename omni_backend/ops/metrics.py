@@ -24,19 +24,25 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_prefix_cache_blocks            gauge      KV blocks holding a reusable prefix (in use or evictable)
     omni_prefix_cache_enabled           gauge      1 when prefix caching is on, 0 when the enable_prefix_caching
                                                    setting turned it off
+    omni_structured_requests_total      counter    requests constrained to a grammar (structured outputs)
+    omni_grammar_cache_hits_total       counter    of those, grammars found compiled or compiling (one compile per
+                                                   distinct schema/regex/grammar: engine/structured_output.py)
+    omni_grammar_compile_seconds        histogram  time to compile one grammar (s), off the engine loop
     omni_oom_recoveries_total           counter    steps that ran out of device memory and were retried with
                                                    half the token budget (engine/scheduler.py)
     omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
     omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
     omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,attention_reason,matmuls,
-                      fallback_reason}
+                      fallback_reason,dtype,dtype_reason}
                                         gauge      1; the versions the engine runs with (cuda_driver: the CUDA
                                                    version the driver supports, from NVML), its attention backend
                                                    and why the selector chose it (engine/attention/selector.py),
                                                    what runs its matmuls (ModelRunner.matmuls: cpu-kernels-float32,
-                                                   cpu-kernels-int8, onednn-packed, torch) and why its attention
-                                                   backend or matmuls are not the first choice ("" when they are)
+                                                   cpu-kernels-int8, cpu-kernels-bfloat16, onednn-packed, torch) and
+                                                   why its attention backend or matmuls are not the first choice
+                                                   ("" when they are), its dtype and why (configured, by device,
+                                                   or measured on this CPU: engine/cpu_dtype.py)
     omni_governor_state                 gauge      0 disabled (no NVML), 1 normal, 2 power-limited, 3 not admitting
     omni_governor_max_num_seqs          gauge      sequences-per-step limit the governor allows
     omni_gpu_power_watts, omni_gpu_temperature_celsius, omni_gpu_sm_clock_mhz
@@ -65,6 +71,7 @@ TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0]
+COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 @dataclass
@@ -95,6 +102,9 @@ class LLMStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_blocks: int = 0
+    structured_requests: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_s: list[float] = field(default_factory=list)
     governor_state: int = 0
     num_seqs_limit: int = 0
     power_w: float = 0.0
@@ -112,7 +122,7 @@ class LLMMetrics:
         attention_backend: name for the `omni_attention_backend` gauge.
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
-            attention_reason, matmuls and fallback_reason); None: the gauge is not published.
+            attention_reason, matmuls, fallback_reason, dtype and dtype_reason); None: the gauge is not published.
     """
 
     def __init__(self, pb_utils, model: str, version: str, attention_backend: str, device: str = "cpu",
@@ -150,6 +160,11 @@ class LLMMetrics:
                                   "Prompt tokens whose KV blocks the prefix cache supplied", C)
         self.prefix_blocks = metric("omni_prefix_cache_blocks", "KV blocks holding a reusable prefix", G)
         self.prefix_enabled = metric("omni_prefix_cache_enabled", "1 when prefix caching is on", G)
+        self.structured = metric("omni_structured_requests_total", "Requests constrained to a grammar", C)
+        self.grammar_hits = metric("omni_grammar_cache_hits_total",
+                                   "Constrained requests whose grammar was compiled or compiling already", C)
+        self.grammar_compile = metric("omni_grammar_compile_seconds", "Time to compile one grammar (s)", H,
+                                      COMPILE_BUCKETS)
         self.oom_recoveries = metric("omni_oom_recoveries_total",
                                      "Steps out of device memory, retried with half the token budget", C)
         steps = pb_utils.MetricFamily(name="omni_engine_steps_total", kind=C,
@@ -190,8 +205,12 @@ class LLMMetrics:
                 self.ttft.observe(request.ttft_s)
                 if request.completion_tokens > 1:
                     self.itl.observe((request.e2e_s - request.ttft_s) / (request.completion_tokens - 1))
+        for seconds in stats.grammar_compile_s:
+            self.grammar_compile.observe(seconds)
         last = self._last
         for metric, delta in ((self.prompt_tokens, prompt), (self.generation_tokens, generated),
+                              (self.structured, stats.structured_requests - last.structured_requests),
+                              (self.grammar_hits, stats.grammar_cache_hits - last.grammar_cache_hits),
                               (self.preemptions, stats.preemptions - last.preemptions),
                               (self.prefix_queries, stats.prefix_cache_queries - last.prefix_cache_queries),
                               (self.prefix_hits, stats.prefix_cache_hits - last.prefix_cache_hits),
@@ -216,6 +235,7 @@ class LLMMetrics:
             if value != old:  # gauges start at 0, as the first `last` does
                 metric.set(value)
         stats.finished = []
+        stats.grammar_compile_s = []
         self._last = stats
 
 

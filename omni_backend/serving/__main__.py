@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
                         help="seconds requests in flight may run on after SIGTERM/SIGINT (0: cut at once)")
     parser.add_argument("--allowed-origins", default=",".join(defaults.allowed_origins),
                         help="browser origins CORS allows, comma-separated ('*': any; default none: CORS off)")
+    parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=defaults.docs,
+                        help="publish /openapi.json, /docs and /redoc (default: on)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     config = ServingConfig(
@@ -39,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
         models=tuple(args.models or defaults.models), api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests, graceful_shutdown_s=args.graceful_shutdown_s,
         host=args.host, port=args.port, allowed_origins=origins(args.allowed_origins), admin_key=defaults.admin_key,
+        docs=args.docs,
     )
     config.log_level = args.log_level
     return config

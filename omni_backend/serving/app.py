@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from omni_backend.serving import errors
+from omni_backend.serving import errors, openapi
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.front_door import FrontDoor
@@ -38,14 +38,17 @@ def create_app(config: ServingConfig) -> FastAPI:
         yield
         await door.close()
 
-    app = FastAPI(title="omni_backend OpenAI-compatible front door", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    # FastAPI's own /openapi.json and /docs are off: serving/openapi.py serves the document with the pipeline's limits
+    app = FastAPI(title=openapi.TITLE, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.door = door
     install_error_handlers(app)
     for module in (operations, chat, speech, images, admin):
         app.include_router(module.router)
     app.include_router(operations.models_router)
     app.include_router(triton_v2.router)
+    app.include_router(triton_v2.api)
+    if config.docs:
+        app.include_router(openapi.router)
     app.add_middleware(ObserveRequests, metrics=door.metrics)
     # CORS: off unless origins are allowed (a browser's preflight from any other origin gets 400, never 405).
     app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

@@ -13,6 +13,7 @@
 | shutdown grace | `--graceful-shutdown-s` | `OMNI_OPENAI_GRACEFUL_SHUTDOWN_S` | 30 s |
 | browser origins (CORS) | `--allowed-origins` (comma-separated, `*` any) | `OMNI_OPENAI_ALLOWED_ORIGINS` | none: CORS off |
 | operator key | (environment only) | `OMNI_ADMIN_KEY` | none: `/v2` admin APIs closed |
+| API docs | `--docs`, `--no-docs` | `OMNI_OPENAI_DOCS` (`FrontDoorSettings`) | true: `/openapi.json`, `/docs`, `/redoc` |
 
 On SIGTERM/SIGINT the front door stops accepting connections at once and lets requests in flight (streams
 included) finish for up to the shutdown grace; whatever still runs then is cut.
@@ -22,6 +23,31 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from omni_backend.settings import SettingGroup, setting
+
+
+@dataclass(frozen=True)
+class FrontDoorSettings(SettingGroup):
+    """The front door's settings declared as settings (`OMNI_OPENAI_<FIELD>`, in docs/operations.md's table, and
+    a flag each in `python -m omni_backend.serving`)."""
+
+    docs: bool = setting(True, "the OpenAI front door publishes its API: /openapi.json (OpenAPI 3.1), /docs (Swagger "
+                               "UI) and /redoc (docs/api.md); false: those paths are 404s")
+
+    PREFIX: ClassVar[str] = "openai_"  # the settings' names: openai_<field>, OMNI_OPENAI_<FIELD>
+
+    @classmethod
+    def from_env(cls, environ) -> "FrontDoorSettings":
+        """Defaults overridden by `OMNI_OPENAI_<FIELD>` variables of `environ`.
+
+        Raises:
+            ValueError: a value the setting does not allow, naming the variable's setting.
+        """
+        strings = {name.removeprefix("OMNI_").lower(): value for name, value in environ.items()
+                   if name.startswith("OMNI_" + cls.PREFIX.upper())}
+        return cls.from_strings(strings, cls.PREFIX)
 
 
 def _env_int(environ, name: str, default: int) -> int:
@@ -51,6 +77,8 @@ class ServingConfig:
         allowed_origins: browser origins allowed by CORS ("*": any); empty: CORS off (preflights get 400).
         admin_key: the operator's key; `/v2` APIs beyond inference, metadata and health are forwarded only with
             it in the `omni-admin-key` header (tritonserver checks the same key). None: never forwarded.
+        docs: publish the API: `/openapi.json` (OpenAPI 3.1), `/docs` (Swagger UI) and `/redoc`, open like
+            `/health` (serving/openapi.py); False: they are 404s.
     """
 
     triton_grpc: str = "localhost:8001"
@@ -65,6 +93,7 @@ class ServingConfig:
     port: int = 9000
     allowed_origins: tuple[str, ...] = ()
     admin_key: str | None = None
+    docs: bool = FrontDoorSettings.docs
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -100,6 +129,7 @@ class ServingConfig:
             port=_env_int(env, "OMNI_OPENAI_PORT", cls.port),
             allowed_origins=origins(env.get("OMNI_OPENAI_ALLOWED_ORIGINS") or ""),
             admin_key=env.get("OMNI_ADMIN_KEY") or None,
+            docs=FrontDoorSettings.from_env(env).docs,
         )
 
 

@@ -14,8 +14,9 @@ the request, so Triton refusing it is not the client's doing.
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Callable
+from typing import Any, Callable
 
 from omni_backend.vocabulary import ErrorKind, StageError, openai_param
 
@@ -69,6 +70,26 @@ def required_text(body: dict, field: str) -> str:
     if not value.strip():
         raise invalid(f"{field} must not be empty", field)
     return value
+
+
+def integral(value: Any) -> Any:
+    """A float without a fraction (16.0) as its int (JSON has one number type, and JSON Schema counts 16.0 as an
+    integer); any other value as it is, for the strict check to judge."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def number(body: dict, field: str, kind: type, default):
+    """`body[field]` as a `kind` (int: a JSON integer, 2.0 included; float: any finite JSON number), `default` when
+    absent or null. Raises OpenAIError 400 naming `field` for another type (a string, a boolean) or a non-finite
+    number."""
+    value = integral(body.get(field)) if kind is int else body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise invalid(f"{field} must be {'an integer' if kind is int else 'a number'}, got {value!r}", field)
+    if kind is float and not math.isfinite(value):
+        raise invalid(f"{field} must be a finite number", field)
+    return kind(value)
 
 
 def model_not_found(model: str) -> OpenAIError:

@@ -15,8 +15,11 @@ from typing import Any, AsyncIterator
 
 from omni_backend import tensor_names as T
 from omni_backend.serving import errors
+from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.pipeline import Prepared, Step, TritonPipeline
 from omni_backend.serving.speech_backend import Audio
+from omni_backend.serving.structured import Guide
+from omni_backend.serving.tools import ToolRequest
 from omni_backend.stages.tts_options import SpeechOptions
 from omni_backend.stages.voice_answer import with_hidden_states
 
@@ -24,12 +27,13 @@ from omni_backend.stages.voice_answer import with_hidden_states
 @dataclass
 class Prompt:
     """One prompt: text (a plain prompt, or the chat messages as preprocess's JSON array) or token ids, and the
-    preprocess BOOL inputs that differ from their defaults (`template`: the chat template flags
-    `add_generation_prompt` and `continue_final_message`, or `prompt_is_text` for a completions prompt)."""
+    preprocess inputs about the prompt that differ from their defaults (`template`: the chat template flags
+    `add_generation_prompt` and `continue_final_message`, or `prompt_is_text` for a completions prompt, and
+    `tools`, the tool definitions as a JSON array)."""
 
     text: str = ""
     token_ids: list[int] | None = None
-    template: dict[str, bool] = field(default_factory=dict)
+    template: dict[str, bool | str] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +55,9 @@ class GenerationRequest:
             is dropped).
         prompt_logprobs: the prompt's tokens get logprobs too (completions' echo with logprobs).
         speech: how to speak the answer (chat with audio output; n is 1), None for a written answer only.
+        guide: the grammar the answer follows (response_format / structured_outputs, or a required or named
+            tool_choice), None for free text.
+        tools: the chat request's tools (serving/tools.py): its answers are parsed for tool calls; None without.
         own_voice: the served model speaks it with its own voice (serving/voiced.py): the llm returns the
             thinker's rows too.
     """
@@ -66,6 +73,8 @@ class GenerationRequest:
     generate: bool = True
     prompt_logprobs: bool = False
     speech: SpeechOptions | None = None
+    guide: Guide | None = None
+    tools: ToolRequest | None = None
     own_voice: bool = False
 
     @property
@@ -81,6 +90,8 @@ class GenerationRequest:
         """The settings of choice `index` of a prompt: seeded choices use seed + index, so they differ and
         repeat across calls; a spoken answer streams from the llm (its phrases are spoken while it goes on)."""
         settings = self.settings if self.speech is None else {**self.settings, "stream": True}
+        if self.guide is not None:
+            settings = {**settings, **self.guide.settings()}
         if settings.get("seed") is None or self.n == 1:
             return settings
         return {**settings, "seed": settings["seed"] + index}
@@ -133,8 +144,17 @@ class Generation:
         """Preprocess every (prompt, choice) and wait for each choice's first response.
 
         Raises:
-            OpenAIError: from preprocess or the llm stage (400 for bad input, 429/503 when refused, 500).
+            OpenAIError: from preprocess or the llm stage (400 for bad input, 429/503 when refused, 500); one about
+                the guide names the request field it came from.
         """
+        try:
+            await self._start()
+        except OpenAIError as exc:
+            if self.request.guide is None:
+                raise
+            raise self.request.guide.rename(exc) from None
+
+    async def _start(self) -> None:
         request = self.request
         jobs = [self.pipeline.prepare(prompt.text, prompt.token_ids, request.choice_settings(i), request.prompt_field,
                                       f"{self.request_id}-{p * request.n + i}", prompt.template)

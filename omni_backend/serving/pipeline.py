@@ -202,7 +202,7 @@ class TritonPipeline(TritonGrpcUser):
                             max_model_len)
 
     async def prepare(self, text: str, token_ids: list[int] | None, settings: dict, prompt_field: str,
-                      request_id: str = "", template: dict[str, bool] | None = None) -> Prepared:
+                      request_id: str = "", template: dict[str, bool | str] | None = None) -> Prepared:
         """Run preprocess on one prompt.
 
         Args:
@@ -211,8 +211,8 @@ class TritonPipeline(TritonGrpcUser):
             settings: SamplingParams attribute -> value (`omni_backend.vocabulary` names), the settings given;
                 without max_tokens preprocess takes the rest of the context.
             prompt_field: the request field holding the prompt ("messages" or "prompt"), for error messages.
-            template: chat template flags given (preprocess's BOOL inputs `add_generation_prompt`,
-                `continue_final_message`; the request fields of the same names).
+            template: chat template inputs given (preprocess's BOOL inputs `add_generation_prompt`,
+                `continue_final_message`, the request fields of the same names; its `tools` JSON).
 
         Raises:
             OpenAIError: 400 for bad input (the field named as the client knows it), 503 when Triton is

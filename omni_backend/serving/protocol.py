@@ -5,19 +5,21 @@ Field names follow the OpenAI API reference; the ranges of the sampling settings
 Extensions beyond OpenAI's fields, as vLLM spells them: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`.
 A chat request with `audio` or with "audio" among its `modalities` asks for a spoken answer
 (serving/spoken.py): `audio.voice` (a voice name, or OpenAI's `{"id": name}`) and `audio.format` are checked here
-with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (`speech_voice`, `speech_format`).
+with the same messages as `/v1/audio/speech`'s `voice` and `response_format` (serving/audio_fields.py).
 
 Types are strict, as JSON has them: `"stream": "yes"` or `"max_tokens": "16"` is a 400 naming the field, never
-read as true or 16. `null` means the default for every field the OpenAI API reference marks nullable (all the
-optional settings here, plus `user`); `model`, `messages`, `prompt` and the extension `ignore_eos` must not be
-null. A validation error becomes a 400 that names the field (`schema_error`).
+read as true or 16; a number without a fraction is an integer (`16.0` is 16: JSON has one number type, and JSON
+Schema, which the published OpenAPI document is written in, counts 16.0 as an integer). `null` means the default
+for every field the OpenAI API reference marks nullable (all the optional settings here, plus `user`); `model`,
+`messages`, `prompt` and the extension `ignore_eos` must not be null. A validation error becomes a 400 that names the field (`schema_error`).
 
 No field is silently dropped when it would change the answer. Every top-level field is one of: modelled here and
-served (some only in part: tools, response_format other than text, logit_bias, suffix and best_of other than n are
-refused when set); describing the client or the request's bookkeeping (`DESCRIPTIVE_FIELDS`: accepted, no effect
-on the answer); a known OpenAI or vLLM field this server does not serve (`NOT_SERVED`: accepted only with the
-value that asks for what the server does anyway, else a 400 naming it); or unknown (a 400 naming it, as OpenAI
-answers "Unrecognized request argument supplied").
+served (some only in part: the legacy functions, logit_bias, suffix and best_of other than n are refused when set;
+`response_format` and vLLM's `structured_outputs` constrain the answer to a grammar, serving/structured.py);
+describing the client or the request's bookkeeping (`DESCRIPTIVE_FIELDS`: accepted, no effect on the answer); a
+known OpenAI or vLLM field this server does not serve (`NOT_SERVED`: accepted only with the value that asks for
+what the server does anyway, else a 400 naming it); or unknown (a 400 naming it, as OpenAI answers "Unrecognized
+request argument supplied").
 """
 
 from __future__ import annotations
@@ -25,16 +27,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+import annotated_types
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from omni_backend import tensor_names as T
-from omni_backend.serving.errors import OpenAIError, invalid
+from omni_backend.serving.errors import OpenAIError, integral, invalid
 from omni_backend.serving.generation import GenerationRequest, Prompt
-from omni_backend.stages import tts_audio
-from omni_backend.stages.tts_options import SpeechOptions, resolve_voice
-from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES, FieldError
+from omni_backend.serving.structured import Guide, requested_guide
+from omni_backend.serving.tools import ToolRequest, check_tool_calls, requested_tools
+from omni_backend.serving.audio_fields import speech_format, speech_voice
+from omni_backend.stages.tts_options import SpeechOptions
+from omni_backend.vocabulary import BY_PARAM, DATATYPE_RANGES
 
 MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on `logprobs`
@@ -42,8 +47,8 @@ MEDIA_PARTS = ("image_url", "input_audio", "video_url")  # content parts sent on
 CHAT_AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "pcm16": "pcm"}  # OpenAI's name -> tts_audio's
 
 
-def setting(param: str, default=None):
-    """A pydantic Field for the sampling setting `param`, bounded by the vocabulary's `allowed` range
+def setting_bounds(param: str) -> dict[str, float]:
+    """Pydantic's bounds (`ge`/`gt`, `le`) of the sampling setting `param`: the vocabulary's `allowed` range
     (SamplingParams' range within what its tensor's type holds)."""
     allowed = BY_PARAM[param].allowed
     bounds: dict[str, float] = {}
@@ -51,7 +56,27 @@ def setting(param: str, default=None):
         bounds["gt" if allowed.low_open else "ge"] = allowed.low
     if allowed.high is not None:
         bounds["le"] = allowed.high
-    return Field(default, **bounds)
+    return bounds
+
+
+def setting(param: str, default=None):
+    """A pydantic Field for the (float) sampling setting `param`, within `setting_bounds(param)`."""
+    return Field(default, **setting_bounds(param))
+
+
+def integer(**bounds: float) -> Any:
+    """A JSON integer type within pydantic `bounds` (`ge=0, le=5`): strict (no strings, no booleans), 16.0 is 16.
+    The bounds come before the validator: Pydantic then writes them into the JSON schema as minimum/maximum (also
+    where the type is in a union with None)."""
+    return Annotated[(int, *annotated_types.Interval(**bounds), BeforeValidator(integral))]
+
+
+Count = integer(ge=1, le=MAX_N)
+Seed = integer(**setting_bounds("seed"))
+TopK = integer(**setting_bounds("top_k"))
+MaxTokens = integer(**setting_bounds("max_tokens"))
+TopLogprobs = integer(**setting_bounds("logprobs"))
+TokenId = integer()  # prompts() names one beyond INT32
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +88,6 @@ class StreamOptions(BaseModel):
 DESCRIPTIVE_FIELDS = frozenset({
     "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",  # OpenAI: about the client
     "prediction",  # OpenAI predicted outputs: a latency hint, the answer is the same
-    "parallel_tool_calls",  # only acts with tools, which are refused
     "request_id",  # vLLM: the caller's id for its own logs
 })
 """Request fields that describe the client or its bookkeeping, not the answer: accepted, not acted on."""
@@ -81,7 +105,7 @@ NOT_SERVED: dict[str, tuple] = {
     "vllm_xargs": _ANY, "prompt_embeds": _ANY,
     # vLLM's structured outputs
     "guided_json": _ANY, "guided_regex": _ANY, "guided_choice": _ANY, "guided_grammar": _ANY,
-    "guided_decoding_backend": _ANY, "guided_whitespace_pattern": _ANY, "structured_outputs": _ANY,
+    "guided_decoding_backend": _ANY, "guided_whitespace_pattern": _ANY,
     # vLLM's chat extensions (the template is the checkpoint's; add_special_tokens: chat prompts get none)
     "echo": (False,), "add_special_tokens": (False,), "chat_template": _ANY, "chat_template_kwargs": ({},),
     "documents": _ANY, "mm_processor_kwargs": _ANY, "best_of": (1,),
@@ -123,18 +147,20 @@ class _Request(BaseModel):
     frequency_penalty: float | None = setting("frequency_penalty")
     presence_penalty: float | None = setting("presence_penalty")
     repetition_penalty: float | None = setting("repetition_penalty")
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = setting("seed")
+    n: Count = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = setting("temperature")
     top_p: float | None = setting("top_p")
-    top_k: int | None = setting("top_k")
+    top_k: TopK | None = None
     min_p: float | None = setting("min_p")
     ignore_eos: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's (serving/structured.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -156,6 +182,12 @@ class _Request(BaseModel):
             raise invalid("logit_bias is not supported by this server", "logit_bias")
         if any(s == "" for s in self.stops()):
             raise invalid("stop strings must not be empty", "stop")
+        self.guide()
+
+    def guide(self) -> Guide | None:
+        """The grammar the output must follow (response_format or structured_outputs), None for free text.
+        Raises OpenAIError 400 naming the field (serving/structured.py)."""
+        return requested_guide(self.response_format, self.structured_outputs)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -177,8 +209,8 @@ class _Request(BaseModel):
 
 class ChatMessage(BaseModel):
     """One chat message. `content` is required (not null) except on an assistant message that carries `tool_calls`
-    (or the older `function_call`), which are refused anyway: tools are not served. `name` is accepted and not shown
-    to the model (the chat template decides what it renders; SmolLM2's renders role and content)."""
+    (the older `function_call` is refused). A tool message's `tool_call_id` goes to the template with it. `name` is
+    accepted and not shown to the model (the chat template decides what it renders)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -186,6 +218,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
 
@@ -200,14 +233,14 @@ class AudioOutput(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
-    max_tokens: int | None = setting("max_tokens")
-    max_completion_tokens: int | None = setting("max_tokens")
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = setting("logprobs")
+    top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: AudioOutput | None = None
     add_generation_prompt: bool = True
@@ -236,20 +269,20 @@ class ChatCompletionRequest(_Request):
         if not self.messages:
             raise invalid("messages must be a non-empty list", "messages")
         for i, message in enumerate(self.messages):
-            calls = message.tool_calls or message.function_call
+            calls = message.tool_calls or message.function_call is not None  # {} asks for a call too
             if message.content is None and not (message.role == "assistant" and calls):
                 raise invalid(f"messages[{i}].content is required: a string or a list of content parts (only an "
                               "assistant message with tool_calls may leave it out)", f"messages[{i}].content")
-            if calls:
-                field = "tool_calls" if message.tool_calls else "function_call"
-                raise invalid(f"messages[{i}].{field}: tool calls are not supported by this server",
-                              f"messages[{i}].{field}")
-        if self.tools or self.functions:
-            raise invalid("tools are not supported by this server", "tools" if self.tools else "functions")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
+            check_tool_calls(message.tool_calls or [], f"messages[{i}].tool_calls")
+            if message.function_call is not None:
+                raise invalid(f"messages[{i}].function_call is not supported by this server (use tool_calls)",
+                              f"messages[{i}].function_call")
+        if self.functions:
+            raise invalid("functions is not supported by this server (use tools)", "functions")
+        tools = self.tool_request()
+        if tools is not None and tools.guide() is not None and self.guide() is not None:
+            raise invalid("tool_choice \"required\" or a named function cannot be combined with response_format or "
+                          "structured_outputs", "tool_choice")
         if not self.spoken and self.modalities and set(self.modalities) - {"text"}:
             raise invalid("modalities: [\"text\"], or [\"text\", \"audio\"] with \"audio\" for audio output",
                           "modalities")
@@ -262,6 +295,12 @@ class ChatCompletionRequest(_Request):
                 raise invalid("streamed audio output needs audio.format 'pcm16'", "audio.format")
             if self.logprobs:
                 raise invalid("logprobs are not available with audio output", "logprobs")
+            if self.tools:
+                raise invalid("tools are not available with audio output", "tools")
+
+    def tool_request(self) -> ToolRequest | None:
+        """The checked tools (serving/tools.py), None without tools. Raises OpenAIError 400 naming the field."""
+        return requested_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def speech_options(self) -> SpeechOptions | None:
         """How to speak the answer (None: it is only written). Raises OpenAIError 400 naming `audio.voice` or
@@ -283,10 +322,14 @@ class ChatCompletionRequest(_Request):
         template = {name: value for name, value, default in (
             ("add_generation_prompt", self.add_generation_prompt, True),
             ("continue_final_message", self.continue_final_message, False)) if value != default}
+        tools = self.tool_request()
+        if tools is not None:
+            template[T.TOOLS] = tools.prompt_tools()
         return GenerationRequest(
             kind="chat", model=self.model, prompt_field="messages",
             prompts=[Prompt(text=json.dumps(self.messages_json(), ensure_ascii=False), template=template)],
             settings=settings, n=self.n, include_usage=self.include_usage, speech=self.speech_options(),
+            guide=self.guide() or (tools.guide() if tools else None), tools=tools,
             own_voice=self.spoken and self._voices is not None)
 
     def messages_json(self) -> list[dict]:
@@ -318,15 +361,19 @@ class ChatCompletionRequest(_Request):
                 content = parts
             role = "system" if message.role == "developer" else message.role
             out.append({"role": role, "content": content})
+            if message.tool_calls:
+                out[-1]["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                out[-1]["tool_call_id"] = message.tool_call_id
         return out
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0, le=DATATYPE_RANGES["INT32"].high)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: integer(ge=0, le=DATATYPE_RANGES["INT32"].high) = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
+    logprobs: integer(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = None
+    best_of: integer(ge=1) | None = None
     suffix: str | None = None
 
     NOT_NULLABLE: ClassVar[frozenset[str]] = _Request.NOT_NULLABLE | {"prompt"}
@@ -356,7 +403,7 @@ class CompletionRequest(_Request):
         return GenerationRequest(
             kind="completion", model=self.model, prompt_field="prompt", prompts=self.prompts(), settings=settings,
             n=self.n, include_usage=self.include_usage, echo=self.echo, generate=self.max_tokens > 0,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, guide=self.guide())
 
     def prompts(self) -> list[Prompt]:
         """Each prompt as text or token ids.
@@ -388,36 +435,6 @@ class CompletionRequest(_Request):
         return prompts
 
 
-def speech_voice(value: Any, field: str, voices: tuple[str, ...] | None = None) -> str:
-    """The voice that speaks for `value` (a voice name, or OpenAI's `{"id": name}` for a custom voice): one of the
-    served model's own `voices` (any case), or without those an installed tts voice. Raises OpenAIError 400 naming
-    `field` when it is no string or no voice this server has."""
-    if isinstance(value, dict):
-        value = value.get("id")
-    if not isinstance(value, str):
-        raise invalid(f"'{field}' is a required property and must be a string", field)
-    if voices is not None:
-        found = {voice.lower(): voice for voice in voices}.get(value.strip().lower())
-        if found is None:
-            raise invalid(f"{field} '{value}' is not a voice of this model; its voices: {', '.join(voices)}", field)
-        return found
-    try:
-        return resolve_voice(value)
-    except FieldError as exc:
-        raise invalid(f"{field} {exc.problem}", field) from None
-
-
-def speech_format(value: Any, field: str, allowed: dict[str, str]) -> str:
-    """tts_audio's name for the audio format `value` (a key of `allowed`, which maps the client's names to ours).
-    Raises OpenAIError 400 naming `field`, listing the formats there are, when it is not in `allowed` or cannot be
-    written here (mp3 needs a libsndfile that writes it)."""
-    available = set(tts_audio.formats())
-    names = [name for name, ours in allowed.items() if ours in available]
-    if not isinstance(value, str) or value not in allowed or allowed[value] not in available:
-        raise invalid(f"{field} '{value}' is not supported; supported: {', '.join(names)}", field)
-    return allowed[value]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Validation errors -> 400 naming the field
 
@@ -445,8 +462,7 @@ def schema_error(exc: ValidationError) -> OpenAIError:
 
 
 def parse_request(model: type[_Request], body: dict, voices: tuple[str, ...] | None = None):
-    """Validate a JSON object against a request model; `voices`: the served model's own (a chat answer is then
-    spoken in one of them), None: the tts stage's.
+    """Validate a JSON object against a request model; `voices`: the served model's own (chat speaks in one).
 
     Raises:
         OpenAIError: 400 naming the first field that is not served (`check_fields`) or invalid, or the endpoint's

@@ -52,15 +52,28 @@ def usage(request: GenerationRequest, prompt_tokens: list[int], completion_token
     return protocol.usage(sum(prompt_tokens[::request.n]), sum(completion_tokens), sum(cached_tokens[::request.n]))
 
 
+def chat_message(request: GenerationRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A chat choice's message and finish reason: the text as content, or, for a request with tools whose answer
+    holds tool calls (serving/tools.py), the calls and what text is left, with finish_reason "tool_calls"."""
+    message = {"role": "assistant", "content": text}
+    if request.tools is None or not request.tools.parses or finish_reason != "stop":
+        return message, finish_reason
+    content, calls = request.tools.calls(text)
+    if not calls:
+        return message, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
 def completion_object(request: GenerationRequest, generation: Generation, results: list[ChoiceResult],
                       request_id: str, spoken: SpokenAnswer | None = None) -> dict:
     """A non-streamed `chat.completion` or `text_completion` object (`spoken`: a chat answer spoken too)."""
     choices = []
     for choice, result in zip(generation.choices, results):
         if request.kind == "chat":
-            message = {"role": "assistant", "content": result.text} if spoken is None else spoken.message(result)
+            message, finish_reason = chat_message(request, result.text, result.finish_reason) if spoken is None \
+                else (spoken.message(result), result.finish_reason)
             choices.append({"index": choice.index, "message": message, "logprobs": chat_logprobs(result.logprobs),
-                            "finish_reason": result.finish_reason})
+                            "finish_reason": finish_reason})
             continue
         prefix = choice.prepared.prompt_text if request.echo else ""
         logprobs = None
@@ -81,7 +94,9 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
     """Server-sent events for a streamed answer: one chunk per delta, then usage (if asked), then [DONE].
 
     `spoken`: a chat answer spoken too (its text deltas, audio deltas and finish as SpokenAnswer shapes them).
-    An error after the first chunk is sent as an `{"error": ...}` event (the status line is already out).
+    A chat answer that may hold tool calls is held back until it ends, then sent as its content and one
+    `tool_calls` delta (serving/tools.py). An error after the first chunk is sent as an `{"error": ...}` event
+    (the status line is already out).
     """
     created = protocol.now()
     chat = request.kind == "chat"
@@ -103,6 +118,7 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
     cached_tokens = {c.index: 0 for c in generation.choices}
     text_offset = {c.index: 0 for c in generation.choices}
     echoed = {c.index: not request.echo for c in generation.choices}
+    held = {c.index: ([], []) for c in generation.choices} if request.tools and request.tools.parses else None
     try:
         if chat:
             first = {"role": "assistant", "content": "" if spoken is None else None}  # spoken: no text content
@@ -118,6 +134,10 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
             cached_tokens[i] = step.cached_tokens
             if step.finish_reason and step.prompt_tokens:
                 prompt_tokens[i] = step.prompt_tokens
+            if chat and held is not None:
+                for event in _held_answer(request, held[i], step, chat_chunk, i):
+                    yield event
+                continue
             if chat:
                 if step.text or step.logprobs:
                     delta = {"content": step.text} if spoken is None else spoken.text_delta(step.text)
@@ -150,3 +170,20 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
         yield ServerSentEvent("[DONE]")
     finally:
         await generation.close()
+
+
+def _held_answer(request: GenerationRequest, held: tuple[list[str], list[dict]], step, chat_chunk, index: int):
+    """The chunks of a chat choice held back for tool calls: nothing until its last step, then its content (with
+    the logprobs), its calls as one `tool_calls` delta, and the finish chunk."""
+    texts, logprobs = held
+    texts.append(step.text)
+    logprobs.extend(step.logprobs or [])
+    if not step.finish_reason:
+        return
+    message, finish_reason = chat_message(request, "".join(texts), step.finish_reason)
+    if message["content"] or logprobs:
+        yield chat_chunk(index, {"content": message["content"] or ""},
+                         chat_logprobs(logprobs if request.logprobs is not None else None))
+    if "tool_calls" in message:
+        yield chat_chunk(index, {"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
+    yield chat_chunk(index, {}, None, finish_reason)

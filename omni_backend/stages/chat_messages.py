@@ -7,6 +7,7 @@ import json
 from typing import Callable
 
 from omni_backend import tensor_names as T
+from omni_backend.stages.tool_prompt import tool_call_fields
 from omni_backend.vocabulary import FieldError
 
 # a content part's type -> its media kind
@@ -30,7 +31,9 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
     parts transformers' multimodal chat templates read: `{"type": "text", "text": str}` and
     `{"type": "image"|"audio"|"video"}` in place of each media part. Every string the client wrote (roles,
     contents, text parts) goes through `as_text`
-    (`ChatTemplate.mark`, so that its control-token strings stay text).
+    (`ChatTemplate.mark`, so that its control-token strings stay text). An assistant message may carry
+    `tool_calls` (its content then may be null) and a tool message `tool_call_id`: they are kept as
+    transformers' templates take them (stages/tool_prompt.py).
 
     Raises:
         FieldError: not valid JSON, not a non-empty array, or a message of the wrong shape (the field names the
@@ -68,13 +71,15 @@ def parse_chat(text: str, marker: str | None = None, keep_parts: bool = False,
                 texts.append(as_text(part["text"]))
                 parts.append({"type": "text", "text": texts[-1]})
             content = parts if keep_parts else "\n".join(texts)
+        elif content is None and message.get("tool_calls"):
+            pass  # an assistant's tool calls without text
         elif not isinstance(content, str):
             raise FieldError(f"{where}.content", "must be a string or a list of text parts")
         elif keep_parts:
             content = [{"type": "text", "text": as_text(content)}]
         else:
             content = as_text(content)
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": content, **tool_call_fields(message, where, as_text)})
     return messages, media
 
 

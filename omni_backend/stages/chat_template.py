@@ -20,6 +20,7 @@ from __future__ import annotations
 from transformers.utils.chat_template_utils import _get_control_token_patterns, mark_control_tokens
 
 from omni_backend import tensor_names as T
+from omni_backend.stages.tool_prompt import default_rendering
 from omni_backend.vocabulary import FieldError
 
 
@@ -45,22 +46,32 @@ class ChatTemplate:
         # transformers' own marking: what apply_chat_template(..., sanitize_control_tokens=True) applies to the
         # messages all at once (transformers 5.24; pinned in requirements.txt)
         self._control, _ = _get_control_token_patterns(tokenizer._get_control_tokens(template))
+        self.takes_tools = "tools" in template  # else tools get the default rendering (stages/tool_prompt.py)
 
     def mark(self, text: str) -> str:
         """A client string with each control-token string in it marked as text (see the module docstring)."""
         return mark_control_tokens(text, self._control)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """The chat as the template writes it, client strings still marked (transformers' `apply_chat_template`
         semantics: with `continue_final_message` the text ends inside the last message, without its end of turn).
+        `tools` (OpenAI tool definitions) and the messages' tool calls and results go to a template that reads
+        tools, else they are written as text first (`tool_prompt.default_rendering`).
 
         Raises:
             FieldError: the template rejected the messages (`text_input`).
         """
+        extra = {}
+        if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+            if self.takes_tools:
+                extra["tools"] = tools
+            else:
+                messages = default_rendering(messages, tools, self.mark)
         try:
             return self.renderer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message, tokenize=False)
+                                                     continue_final_message=continue_final_message, tokenize=False,
+                                                     **extra)
         except Exception as exc:  # jinja2 TemplateError and friends: the template refused these messages
             raise FieldError(T.TEXT_INPUT, f"messages were rejected by the chat template: {exc}") from None
 

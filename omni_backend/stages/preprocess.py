@@ -19,7 +19,9 @@ Input tensors (Triton names; all shape [1] except `stop_words` [-1] and `prompt_
                                 must be the assistant's, so that the answer continues it; true together with
                                 add_generation_prompt is refused
     the settings of `omni_backend.vocabulary.SAMPLING_FIELDS` (max_tokens, stream, temperature, top_p, top_k,
-    min_p, random_seed, stop_words, penalties, ignore_eos, logprobs), all optional; ranges are SamplingParams'.
+    min_p, random_seed, stop_words, penalties, ignore_eos, logprobs, guided_decoding_guide_type and
+    guided_decoding_guide), all optional; ranges are SamplingParams'; a guide that cannot compile is refused here
+    (engine/structured_output.py `check_guide`).
     An absent `max_tokens` means the rest of the context (max_model_len - prompt tokens).
 
 Output tensors: `input_ids` INT32 [n_prompt_tokens], `sampling_params` STRING [1] (JSON of
@@ -59,18 +61,20 @@ import numpy as np
 from omni_backend import tensor_names as T
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
+from omni_backend.engine.structured_output import check_guide
 from omni_backend.settings import SettingGroup, parse_field, setting
 from omni_backend.stages.chat_messages import check_template_flags, parse_chat
 from omni_backend.stages.chat_template import ChatTemplate
 from omni_backend.stages.preprocess_media import ENCODER_INPUTS, MediaConfig, empty_media_outputs, media_outputs
 from omni_backend.stages.tensors import one_value, string_tensor, text_list
+from omni_backend.stages.tool_prompt import parse_tools
 from omni_backend.vocabulary import BY_PARAM, SAMPLING_FIELDS, FieldError
 
 TEMPLATE_FLAGS = {T.ADD_GENERATION_PROMPT: True, T.CONTINUE_FINAL_MESSAGE: False}  # BOOL inputs -> their defaults
 INPUT_NAMES = (T.TEXT_INPUT, *(f.tensor for f in SAMPLING_FIELDS), T.PROMPT_TOKEN_IDS, T.PROMPT_IS_TEXT,
-               *TEMPLATE_FLAGS)
+               *TEMPLATE_FLAGS, T.TOOLS)
 OUTPUT_NAMES = (T.INPUT_IDS, T.SAMPLING_PARAMS, T.PROMPT_TEXT)
-_PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int}  # Triton datatype -> one_value kind
+_PYTHON_TYPES = {"BOOL": bool, "FP32": float, "INT32": int, "UINT64": int, "BYTES": str}  # -> one_value's kind
 
 
 @dataclass
@@ -156,14 +160,15 @@ class Preprocessor:
             raise FieldError(T.TEXT_INPUT, "is empty after tokenization")
         return ids
 
-    def tokenize_messages(self, text: str, add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> tuple[list[int], dict[str, np.ndarray]]:
+    def tokenize_messages(self, text: str, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                          tools: list[dict] | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
         """Chat-template token ids of a messages array, with each media part's placeholder run in place; the
         clients' strings are text (`ChatTemplate`).
 
         Args:
             add_generation_prompt: end with the template's opening of an assistant turn.
             continue_final_message: end inside the last message (an assistant's), which the answer continues.
+            tools: OpenAI tool definitions shown to the model (stages/tool_prompt.py), None for none.
 
         Returns:
             (ids, media outputs): the media output tensors (module docstring) of a chat with media parts, else {}.
@@ -182,7 +187,7 @@ class Preprocessor:
         check_template_flags(messages, add_generation_prompt, continue_final_message)
         if media:
             self._decode_media(media)
-        rendered = self.chat.render(messages, add_generation_prompt, continue_final_message)
+        rendered = self.chat.render(messages, add_generation_prompt, continue_final_message, tools)
         pieces = rendered.split(self._marker)
         if len(pieces) != len(media) + 1:
             raise FieldError(T.TEXT_INPUT, "messages: the chat template dropped or repeated a media part")
@@ -375,7 +380,7 @@ class Preprocessor:
         """
         values = {}
         for field in SAMPLING_FIELDS:
-            if field.datatype == "BYTES":
+            if field.param == "stop":  # the one list-valued setting (stop_words [-1])
                 values[field.param] = text_list(arrays, field.tensor)
             else:
                 values[field.param] = one_value(arrays, field.tensor, _PYTHON_TYPES[field.datatype])
@@ -397,7 +402,10 @@ class Preprocessor:
         check_context_length(self.max_model_len, prompt_tokens, max_tokens)
         room = self.max_model_len - prompt_tokens
         try:
-            return SamplingParams.from_dict({**settings, "max_tokens": room if max_tokens is None else max_tokens})
+            params = SamplingParams.from_dict({**settings, "max_tokens": room if max_tokens is None else max_tokens})
+            if params.guide_type is not None:
+                check_guide(params.guide_type, params.guide)
+            return params
         except InvalidSamplingParam as exc:
             raise FieldError(BY_PARAM[exc.field].tensor, exc.problem) from None
 
@@ -416,15 +424,18 @@ class Preprocessor:
         media = {}
         is_messages = arrays.get(T.PROMPT_TOKEN_IDS) is None and not one_value(arrays, T.PROMPT_IS_TEXT, bool, False) \
             and text.lstrip().startswith("[")
+        tools = parse_tools(one_value(arrays, T.TOOLS, str))
         if not is_messages:
             for name, default in TEMPLATE_FLAGS.items():
                 if flags[name] != default:
                     raise FieldError(name, "applies to a messages array only (the prompt is text or token ids)")
+            if tools is not None:
+                raise FieldError(T.TOOLS, "applies to a messages array only (the prompt is text or token ids)")
         if arrays.get(T.PROMPT_TOKEN_IDS) is not None:
             ids = self.check_token_ids(arrays[T.PROMPT_TOKEN_IDS])
             prompt_text = self.tokenizer.decode(ids)
         elif is_messages:
-            ids, media = self.tokenize_messages(text, **flags)
+            ids, media = self.tokenize_messages(text, **flags, tools=tools)
             if not ids:
                 raise FieldError(T.TEXT_INPUT, "is empty after tokenization")
             prompt_text = self.tokenizer.decode(ids)

@@ -1,5 +1,5 @@
 """The C++ float32 elementwise ops of the CPU engine against the torch code they replace: RoPE + the K/V cache
-write bit for bit, RMSNorm and SiLU * up within a few float32 roundings."""
+write (float32 or bfloat16 caches) bit for bit, RMSNorm and SiLU * up within a few float32 roundings."""
 
 import math
 import os
@@ -36,8 +36,10 @@ def test_rms_norm_matches_the_torch_module(ops, m, h):
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (2, 1, 128)])
-def test_rope_and_cache_write_equal_the_torch_path_bit_for_bit(ops, num_q_heads, num_kv_heads, head_dim):
+def test_rope_and_cache_write_equal_the_torch_path_bit_for_bit(ops, num_q_heads, num_kv_heads, head_dim, cache_dtype):
+    """bfloat16 caches: the float32 K/V rounded to nearest even, as torch's assignment into a bfloat16 tensor."""
     gen = torch.Generator().manual_seed(head_dim)
     tokens, num_blocks, block_size = 11, 6, 4
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
@@ -46,13 +48,14 @@ def test_rope_and_cache_write_equal_the_torch_path_bit_for_bit(ops, num_q_heads,
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[3] = -1  # padding: rotated, not stored
     cos, sin = cos_sin_cache(head_dim, 512, {"rope_type": "default", "rope_theta": 10000.0})
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn_like(k_cache)
 
     heads = qkv.reshape(tokens, -1, head_dim)
     want_qk = apply_rope(heads[:, : num_q_heads + num_kv_heads], cos[positions], sin[positions])
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    store_kv_reference(want_qk[:, num_q_heads:], heads[:, num_q_heads + num_kv_heads :], want_k, want_v, slots)
+    store_kv_reference(want_qk[:, num_q_heads:].to(cache_dtype), heads[:, num_q_heads + num_kv_heads :].to(cache_dtype),
+                       want_k, want_v, slots)
 
     ops.rope_store_kv(qkv, num_q_heads, num_kv_heads, positions, cos, sin, slots, k_cache, v_cache)
     got = qkv.reshape(tokens, -1, head_dim)

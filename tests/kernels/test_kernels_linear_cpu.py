@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kernels.cpu_library import CpuKernelUnavailable
+from kernels.cpu_library import CpuKernelUnavailable, cpu_features
 from kernels.linear_cpu import CpuLinearKernels, PackedWeight
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
@@ -145,3 +145,89 @@ def test_build_failures_say_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(CpuKernelUnavailable, match="no C\\+\\+ compiler"):
         CpuLinearKernels(tmp_path)
+
+
+# --- bfloat16 panels (AVX512-BF16 / AMX) ---------------------------------------------------------------------------
+
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # round to nearest even with 8 significant bits
+
+
+@pytest.fixture(scope="module", params=["native", "vdpbf16ps"])
+def bf16_kernels(request, tmp_path_factory):
+    """The bfloat16 kernels as the engine builds them (AMX tiles where the CPU has AMX) and built without AMX
+    (vdpbf16ps tiles, what AVX512-BF16 CPUs without AMX run); skipped where the CPU has neither."""
+    if request.param == "native":
+        built = CpuLinearKernels(tmp_path_factory.mktemp("linear"))
+    else:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + ["-mno-amx-tile"])
+            built = CpuLinearKernels(tmp_path_factory.mktemp("linear_no_amx"))
+    if built.bf16_kernel is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    if request.param == "native" and built.bf16_kernel != "amx":
+        pytest.skip("no AMX here: the vdpbf16ps build is the native one")
+    built.build = request.param
+    return built
+
+
+def test_bf16_kernel_is_the_cpus(bf16_kernels):
+    flags = set(cpu_features().split())
+    want = "amx" if "amx_bf16" in flags and bf16_kernels.build == "native" else "avx512_bf16"
+    assert bf16_kernels.bf16_kernel == want
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 12, 13, 16, 17, 31, 32, 33, 64, 65, 100])
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 7), (48, 64), (100, 576), (33, 1537)])
+def test_bf16_panels_match_float64(bf16_kernels, m, n, k):
+    """Against the float64 product of the bf16-rounded operands: within the bound of a float32 sum of K exact
+    products in any order (the AMX tile's order is the hardware's; gamma_K holds for every order), plus K flushed
+    denormals; against the float32 operands also within the two roundings to bf16 (2 u_bf16 + u_bf16^2 per
+    product). A kernel that truncated instead of rounding to nearest even would miss the first bound."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, bias = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = bf16_kernels.pack(w, "bfloat16")
+    assert packed.format == "bfloat16" and packed.panels.shape[1] % 16 == 0 and packed.panels.shape[1] * 2 >= k
+    x_bf16, w_bf16 = x.bfloat16().float(), w.bfloat16().float()
+    assert torch.equal(bf16_kernels.dequantize(packed), w_bf16)
+    got = bf16_kernels.linear(x, packed, bias)
+    flushed = k * 2.0 ** -126
+    want = x_bf16.double() @ w_bf16.double().T + bias.double()
+    _assert_within(got, want, _bound(x_bf16, w_bf16, 1) + bias.double().abs() * UNIT_ROUNDOFF + flushed)
+    exact = x.double() @ w.double().T + bias.double()
+    magnitude = x.double().abs() @ w.double().abs().T
+    _assert_within(got, exact, _bound(x_bf16, w_bf16, 1) + bias.double().abs() * UNIT_ROUNDOFF + flushed
+                   + (2 * BF16_UNIT_ROUNDOFF + BF16_UNIT_ROUNDOFF ** 2) * magnitude)
+
+
+def test_bf16_each_row_is_the_same_whatever_the_batch(bf16_kernels):
+    """Batch invariance of the bf16 panels: a row's outputs are bit for bit the same alone and at every position of
+    batches of 2 to 70 rows (one and two 16-row AMX tiles, several 32-row blocks, every vdpbf16ps tile)."""
+    gen = torch.Generator().manual_seed(12)
+    n, k = 5 * bf16_kernels.panel_width + 3, 100
+    packed = bf16_kernels.pack(torch.randn(n, k, generator=gen), "bfloat16")
+    x = torch.randn(70, k, generator=gen)
+    alone = torch.cat([bf16_kernels.linear(x[i : i + 1], packed) for i in range(len(x))])
+    for m in range(2, len(x) + 1):
+        assert torch.equal(bf16_kernels.linear(x[:m], packed), alone[:m]), f"batch of {m}"
+
+
+def test_bf16_bias_accumulate_and_strided_rows(bf16_kernels):
+    gen = torch.Generator().manual_seed(4)
+    m, n, k = 37, 35, 40
+    x = torch.randn(m, k + 8, generator=gen)[:, 4 : 4 + k]  # rows of stride k + 8
+    w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = bf16_kernels.pack(w, "bfloat16")
+    out_wide = torch.randn(m, n + 3, generator=gen)
+    out = out_wide[:, :n]
+    before, beyond = out.clone(), out_wide[:, n:].clone()
+    bf16_kernels.linear(x, packed, bias, out=out, accumulate=True)
+    want = bf16_kernels.linear(x.contiguous(), packed, bias) + before  # (x @ W + bias) + y, the kernel's order
+    assert torch.equal(out, want)
+    assert torch.equal(out_wide[:, n:], beyond), "columns beyond N untouched"
+
+
+def test_bf16_refused_where_the_cpu_lacks_it(kernels):
+    if kernels.bf16_kernel is not None:
+        pytest.skip("this build has bfloat16 panels")
+    with pytest.raises(CpuKernelUnavailable, match="bfloat16 panels need AVX512-BF16"):
+        kernels.pack(torch.randn(4, 4), "bfloat16")

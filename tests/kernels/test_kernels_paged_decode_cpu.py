@@ -83,6 +83,23 @@ def test_cpu_decode_other_head_sizes_and_groups(kernel, head_dim, group, dtype):
     assert_close(got, _naive(kv, query, lens, scale), ATOL[dtype], "cpu kernel vs float64")
 
 
+@pytest.mark.parametrize("head_dim, group", [(64, 3), (128, 2), (40, 3)])
+def test_float32_queries_over_bfloat16_caches(kernel, head_dim, group):
+    """The bfloat16 C++ step's attention: float32 queries and output over bfloat16 caches, against float64 attention
+    over the same (bf16) cache values and float32 queries, at float32's tolerance (nothing is rounded to bf16)."""
+    lens = [1, 37, 300, 0]
+    kv, _, context_lens = _setup(lens, 16, group, head_dim, torch.bfloat16, seed=9)
+    query = torch.randn(len(lens), NUM_KV_HEADS * group, head_dim, generator=torch.Generator().manual_seed(10))
+    scale = default_scale(head_dim)
+    got = kernel(query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale)
+    assert got.dtype == torch.float32 and torch.equal(got[3], torch.zeros_like(got[3]))
+    assert_close(got, _naive(kv, query, lens, scale), ATOL[torch.float32], "float32 query vs float64")
+    rounded = kernel(query.bfloat16(), kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale)
+    assert not torch.equal(got, rounded.float()), "the query was not rounded to bf16 on the way"
+    with pytest.raises(ValueError, match="out must be float32"):
+        kernel(query, kv.k_cache, kv.v_cache, kv.block_tables, context_lens, scale, out=query.bfloat16())
+
+
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_cpu_decode_large_score_range_and_strided_tensors(kernel, head_dim):
     """Scores spanning hundreds of units (most probabilities underflow to 0, as with attention sinks), a query

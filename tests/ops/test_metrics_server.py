@@ -139,10 +139,20 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     # driver's CUDA is what the fake GPU's NVML reports (FakeNvml's default, 13000: CUDA 13.0)
     import torch
     import triton
-    # matmuls: the C++ float32 step, unless dtype "auto" (this server's) picks bfloat16 on an AVX512-BF16/AMX CPU
-    float32_step = cpu_kernel_buildable and not cpu_has_native_bf16()
+    # matmuls: the C++ float32 step; dtype "auto" (this server's) on an AVX512-BF16/AMX CPU measures which of the
+    # float32 and bfloat16 C++ steps and oneDNN's bfloat16 is fastest here (engine/cpu_dtype.py) and says so
     info = dict(torch=torch.__version__, triton=triton.__version__, cuda_runtime="", cuda_driver="13.0",
-                attention_backend=backend, matmuls="cpu-kernels-float32" if float32_step else "onednn-packed")
+                attention_backend=backend)
+    if not cpu_has_native_bf16():
+        info.update(dtype="float32", dtype_reason="auto: by device",
+                    matmuls="cpu-kernels-float32" if cpu_kernel_buildable else "onednn-packed")
+    else:
+        [labels] = [got for got, _ in after["omni_runtime_info"]]
+        assert labels["dtype_reason"].startswith("auto: measured"), labels
+        kernels = {"float32": "cpu-kernels-float32", "bfloat16": "cpu-kernels-bfloat16"}
+        onednn = "bfloat16-onednn" in labels["dtype_reason"].split("fastest ")[1].split(" (")[0]
+        info.update(dtype=labels["dtype"], matmuls="onednn-packed" if onednn or not cpu_kernel_buildable
+                    else kernels[labels["dtype"]])
     if cpu_kernel_buildable:  # the selector's first choice on a CPU, kept
         info.update(fallback_reason="", attention_reason="auto: CPU device (C++ paged decode kernel; Triton kernels "
                                                          "only under TRITON_INTERPRET=1)")

@@ -182,7 +182,7 @@ CHAT = bodies(
      "top_logprobs": field(nullable(st.integers(0, 3)), st.integers(21, 10**6), st.integers(max_value=-1)),
      "tools": field(st.just([]), st.lists(JUNK, min_size=1, max_size=2)),
      "tool_choice": field(st.sampled_from([None, "none", "auto"]), st.just("required")),
-     "response_format": field(st.just({"type": "text"}), st.just({"type": "json_object"})),
+     "response_format": field(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), st.just({"type": "xml"})),
      "modalities": field(st.just(["text"]), st.sampled_from([["text", "audio"], ["video"], []])),
      "audio": field(st.none(), st.fixed_dictionaries({"voice": st.sampled_from(["alloy", ""]),
                                                       "format": st.sampled_from(["wav", "pcm16", "ogg"])}))},

@@ -29,10 +29,13 @@ def request(text, max_tokens=16, **extra):
     types = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "random_seed": np.uint64,
              "stream": np.bool_, "logprobs": np.int32, "ignore_eos": np.bool_, "min_p": np.float32,
              "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
-             "add_generation_prompt": np.bool_, "continue_final_message": np.bool_}
+             "add_generation_prompt": np.bool_, "continue_final_message": np.bool_,
+             "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_}
     for name, value in extra.items():
         if name == "stop_words":
             arrays[name] = np.array([s.encode() for s in value], dtype=np.object_)
+        elif types[name] is np.object_:
+            arrays[name] = np.array([value.encode()], dtype=np.object_)
         else:
             arrays[name] = np.array([value], dtype=types[name])
     return arrays
@@ -132,6 +135,13 @@ def test_settings_become_sampling_params(preprocessor):
     assert params.stop == ["\n\n", "END"]
 
 
+def test_guided_decoding_inputs_become_the_guide(preprocessor):
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    out = preprocessor.run(request("Hi", guided_decoding_guide_type="json_schema", guided_decoding_guide=schema))
+    params = SamplingParams.from_json(out["sampling_params"][0].decode())
+    assert (params.guide_type, params.guide) == ("json_schema", schema)
+
+
 def test_defaults_when_optional_inputs_are_absent(preprocessor):
     params = SamplingParams.from_json(preprocessor.run(request("Hi"))["sampling_params"][0].decode())
     assert params == SamplingParams(max_tokens=16)
@@ -161,6 +171,12 @@ def test_defaults_when_optional_inputs_are_absent(preprocessor):
         (request("Hi", random_seed=2**64 - 1), "random_seed"),
         (request("Hi", stop_words=[""]), "stop_words"),
         (request("Hi", logprobs=50), "logprobs"),
+        (request("Hi", guided_decoding_guide_type="xml"), "guided_decoding_guide_type must be one of json, "),
+        (request("Hi", guided_decoding_guide_type="regex"), "guided_decoding_guide must be a non-empty string"),
+        (request("Hi", guided_decoding_guide_type="regex", guided_decoding_guide="(a"),
+         "guided_decoding_guide cannot be used as a regex guide: Regex parsing error at position 3"),
+        (request("Hi", guided_decoding_guide_type="json_schema", guided_decoding_guide='{"type": 3}'),
+         "guided_decoding_guide is not a valid JSON schema: at type: 3 is not valid"),
         (request("word " * 2000, max_tokens=100), "maximum context length is 2048 tokens"),
     ],
 )

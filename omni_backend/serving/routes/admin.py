@@ -7,11 +7,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from omni_backend.serving.front_door import door_of, require_api_key, require_operator_key
+from omni_backend.serving.schemas import PrefixCacheReset, answers
 
 router = APIRouter(dependencies=[Depends(require_api_key), Depends(require_operator_key)])
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", operation_id="resetPrefixCache", summary="Drop the prefix cache (operator)",
+             responses=answers({"model": PrefixCacheReset}, (401, 403, 500, 503)))
 async def reset_prefix_cache(request: Request) -> dict:
     """Reset the prefix cache of every llm model behind the served pipelines (each once); answers
     `{"dropped_blocks": n}`, the cached KV blocks dropped in all.

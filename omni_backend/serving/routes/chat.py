@@ -20,24 +20,35 @@ from omni_backend.serving.front_door import door_of, require_api_key
 from omni_backend.serving.generation import Generation, collect
 from omni_backend.serving.request_body import read_json
 from omni_backend.serving.responses import completion_object, stream_events
+from omni_backend.serving.schemas import (GENERATION_ERRORS, ChatCompletion, ChatCompletionChunk, Completion,
+                                          CompletionChunk, answers, event_stream, json_body)
 from omni_backend.serving.spoken import SpokenAnswer
 from omni_backend.serving.voiced import VoicedAnswer
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", operation_id="createChatCompletion", summary="Chat completion",
+             openapi_extra=json_body(protocol.ChatCompletionRequest),
+             responses=answers({"model": ChatCompletion, "content": event_stream(ChatCompletionChunk)},
+                               GENERATION_ERRORS))
 async def chat_completions(request: Request):
+    """OpenAI's chat completions: text, image, audio and video parts in, text (and speech) out; a JSON answer or,
+    with `"stream": true`, server-sent events."""
     return await serve(request, protocol.ChatCompletionRequest, "/v1/chat/completions")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", operation_id="createCompletion", summary="Completion",
+             openapi_extra=json_body(protocol.CompletionRequest),
+             responses=answers({"model": Completion, "content": event_stream(CompletionChunk)}, GENERATION_ERRORS))
 async def completions(request: Request):
+    """OpenAI's (legacy) completions: text or token-id prompts; a JSON answer or, with `"stream": true`, server-sent
+    events."""
     return await serve(request, protocol.CompletionRequest, "/v1/completions")
 
 
-@router.post("/v1/audio/transcriptions")
-@router.post("/v1/embeddings")
+@router.post("/v1/audio/transcriptions", include_in_schema=False)
+@router.post("/v1/embeddings", include_in_schema=False)
 async def not_served(request: Request):
     door = door_of(request)
     body = await read_json(request, door.config.max_body_bytes)

@@ -10,6 +10,7 @@ from omni_backend.ops.metrics import stages_ready
 from omni_backend.serving import errors
 from omni_backend.serving.front_door import FrontDoor, door_of, require_api_key
 from omni_backend.serving.metrics import triton_metrics
+from omni_backend.serving.schemas import Health, ModelCard, ModelList, answers
 
 GET = ["GET", "HEAD"]
 
@@ -17,7 +18,8 @@ router = APIRouter()
 models_router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.api_route("/health", methods=GET)
+@router.api_route("/health", methods=GET, operation_id="health", summary="Readiness",
+                  responses=answers({"model": Health}, (503,)))
 async def health(request: Request):
     """200 when Triton and the models are ready, no unary stage was found dead and every stage's heartbeat is
     fresh; else 503 naming why."""
@@ -37,7 +39,8 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
-@router.api_route("/metrics", methods=GET)
+@router.api_route("/metrics", methods=GET, operation_id="metrics", summary="Prometheus metrics",
+                  response_class=PlainTextResponse, responses=answers(errors=(500,)))
 async def metrics(request: Request):
     """Triton's Prometheus metrics followed by the front door's own."""
     door = door_of(request)
@@ -52,13 +55,16 @@ async def model_card(door: FrontDoor, name: str) -> dict:
             "root": name, "parent": None, "max_model_len": info.max_model_len}
 
 
-@models_router.api_route("/v1/models", methods=GET)
+@models_router.api_route("/v1/models", methods=GET, operation_id="listModels", summary="Served models",
+                         responses=answers({"model": ModelList}, (401, 500, 503)))
 async def list_models(request: Request):
+    """The served models, with `max_model_len` (read from the llm model's config in Triton)."""
     door = door_of(request)
     return {"object": "list", "data": [await model_card(door, name) for name in door.pipelines]}
 
 
-@models_router.api_route("/v1/models/{model:path}", methods=GET)
+@models_router.api_route("/v1/models/{model:path}", methods=GET, operation_id="retrieveModel", summary="One model",
+                         responses=answers({"model": ModelCard}, (401, 404, 500, 503)))
 async def get_model(request: Request, model: str):
     door = door_of(request)
     if model not in door.pipelines:

@@ -12,19 +12,22 @@ last chunk is in (mp3 only where the installed libsndfile can write it; otherwis
 from __future__ import annotations
 
 import struct
+from typing import ClassVar, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field
 
-from omni_backend.serving import errors, protocol
+from omni_backend.serving import audio_fields, errors, protocol
 from omni_backend.serving.errors import invalid
 from omni_backend.serving.front_door import door_of, require_api_key
 from omni_backend.serving.request_body import read_json
+from omni_backend.serving.schemas import GENERATION_ERRORS, answers, json_body
 from omni_backend.serving.speech_backend import TTS_MODEL
 from omni_backend.stages import tts_audio
 from omni_backend.stages.tts_input import unspeakable_reason
-from omni_backend.stages.tts_options import SpeechOptions, check_speed
+from omni_backend.stages.tts_options import MAX_SPEED, MIN_SPEED, SpeechOptions, check_speed, voice_names
 from omni_backend.vocabulary import FieldError
 
 # Model names /v1/audio/speech answers to besides the served chat models: the stage's and OpenAI's.
@@ -32,11 +35,47 @@ SPEECH_MODEL_NAMES = (TTS_MODEL, "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 MAX_INPUT_CHARS = 4096
 SPEECH_FORMATS = {name: name for name in ("mp3", "wav", "flac", "pcm", "opus", "aac")}  # OpenAI's names = ours
 
+SPEAKABLE = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*[0-9A-Za-z][^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$"
+"""What `unspeakable_reason` lets through, as a schema pattern: no control character but tab, newline and carriage
+return, and something to speak (the check takes any Unicode letter or digit; the pattern, for tools whose regular
+expressions know no Unicode classes, asks for an ASCII one)."""
+Voice = Literal[tuple(voice_names())]
+SpeechFormat = Literal[tuple(name for name in SPEECH_FORMATS if name in tts_audio.formats())]  # writable here
+
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/audio/speech")
+class VoiceId(BaseModel):
+    id: Voice
+
+
+class SpeechRequest(BaseModel):
+    """The body of `POST /v1/audio/speech`, as `create_speech` checks it. Other fields are ignored."""
+
+    MODEL_NAMES: ClassVar[tuple[str, ...]] = SPEECH_MODEL_NAMES
+
+    model: str = Field(description="tts-1, tts-1-hd, gpt-4o-mini-tts, tts or a served chat model: all speak with "
+                                   "the tts stage.")
+    input: str = Field(max_length=MAX_INPUT_CHARS, pattern=SPEAKABLE, description=(
+        "The text to speak: no control characters but tab, newline and carriage return, and at least one letter "
+        "or digit."))
+    voice: Voice | VoiceId = Field(description="An installed voice or an OpenAI voice name (their alias), in any "
+                                               "case; or OpenAI's `{\"id\": name}`.")
+    response_format: SpeechFormat | None = Field(
+        "mp3", description="pcm: raw 16-bit little-endian mono at 24 kHz; wav and pcm stream as they are made.")
+    speed: float | None = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    stream_format: Literal["audio"] | None = "audio"
+
+
+AUDIO_ANSWER = {"description": "The audio (chunked transfer); `X-Sample-Rate` gives the sample rate of pcm and wav.",
+                "content": {tts_audio.MEDIA_TYPES[name]: {"schema": {"type": "string", "format": "binary"}}
+                            for name in SpeechFormat.__args__}}
+
+
+@router.post("/v1/audio/speech", operation_id="createSpeech", summary="Text to speech", response_class=Response,
+             openapi_extra=json_body(SpeechRequest), responses=answers(AUDIO_ANSWER, GENERATION_ERRORS))
 async def create_speech(request: Request):
+    """OpenAI's text to speech with the tts stage (Piper), streamed as it is made."""
     door = door_of(request)
     body = await read_json(request, door.config.max_body_bytes)
     door.check_model(body, SPEECH_MODEL_NAMES)
@@ -46,13 +85,15 @@ async def create_speech(request: Request):
     reason = unspeakable_reason(text)
     if reason is not None:
         raise invalid(f"input {reason}", "input")
-    voice = protocol.speech_voice(body.get("voice"), "voice")
-    audio_format = protocol.speech_format(body.get("response_format") or "mp3", "response_format", SPEECH_FORMATS)
+    voice = audio_fields.speech_voice(body.get("voice"), "voice")
+    given_format = body.get("response_format")
+    audio_format = audio_fields.speech_format("mp3" if given_format is None else given_format, "response_format",
+                                          SPEECH_FORMATS)
     try:
-        speed = check_speed(body.get("speed"))
+        speed = check_speed(errors.number(body, "speed", float, None))
     except FieldError as exc:
         raise invalid(str(exc), "speed") from None
-    if (body.get("stream_format") or "audio") != "audio":
+    if body.get("stream_format") not in (None, "audio"):
         raise invalid("stream_format: only 'audio' is supported", "stream_format")
     options = SpeechOptions(voice=voice, audio_format=audio_format, speed=speed)
 

@@ -20,7 +20,7 @@ from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.ops.governor import Governor
 from omni_backend.stages.llm.loop import BackgroundLoop, drained
 from omni_backend.stages.llm.messages import AbortRequest, AddRequest, ExtendInputs, InboxMessage, ResetPrefixCache
-from omni_backend.vocabulary import ErrorKind, StageError
+from omni_backend.vocabulary import BY_PARAM, ErrorKind, StageError
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,11 @@ class EngineCore(BackgroundLoop):
             self._fail_all(StageError(ErrorKind.INTERNAL, "engine step failed (see server log)"))
             return
         for output in outputs:
-            if output.finish_reason == "error":  # this request alone could not go on (engine.step says why)
+            if output.error_field is not None:  # the request's own setting (its guide): a client error
+                field = BY_PARAM[output.error_field].tensor
+                self.outbox.put((output.request_id, StageError(ErrorKind.INVALID_ARGUMENT,
+                                                               f"{field} {output.error}", field)))
+            elif output.finish_reason == "error":  # this request alone could not go on (engine.step says why)
                 self.outbox.put((output.request_id, StageError(ErrorKind.INTERNAL, f"llm failed: {output.error}")))
             else:
                 self.outbox.put((output.request_id, output))

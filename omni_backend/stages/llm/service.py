@@ -204,7 +204,7 @@ class LLMService:
     def stats(self) -> LLMStats:
         """A snapshot for the metrics, read from another thread than the loop's (plain attribute reads).
 
-        Takes the finished requests noted since the previous call.
+        Takes the finished requests and the grammar compile times noted since the previous call.
         """
         engine = self.engine
         runner, scheduler = engine.runner, engine.scheduler
@@ -221,6 +221,8 @@ class LLMService:
             eager_steps=runner.num_eager_steps,
             prefix_cache_enabled=blocks.enable_prefix_caching, prefix_cache_queries=blocks.prefix_cache_queries,
             prefix_cache_hits=blocks.prefix_cache_hits, prefix_cache_blocks=blocks.num_cached_blocks,
+            structured_requests=engine.grammars.num_requests, grammar_cache_hits=engine.grammars.num_cache_hits,
+            grammar_compile_s=engine.grammars.take_compile_seconds(),
             governor_state=int(governor.state) if governor is not None else 0,
             num_seqs_limit=scheduler.num_seqs_limit,
             power_w=reading.power_w if reading else 0.0, temperature_c=reading.temperature_c if reading else 0.0,

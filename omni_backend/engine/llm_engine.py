@@ -279,7 +279,7 @@ class LLMEngine:
         """
         outputs = self._admit_compiled() if self.awaiting_grammar else []
         batch = self.scheduler.schedule()
-        self.stalled = batch.empty and bool(self.requests)
+        self.stalled = batch.empty and bool(self.requests) and not self.awaiting_grammar
         if batch.empty:
             if self.awaiting_grammar:  # nothing else to run: wait a little for a compile rather than spin
                 concurrent.futures.wait([f for f, _ in self.awaiting_grammar.values()], timeout=GRAMMAR_WAIT_S,

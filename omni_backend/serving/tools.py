@@ -101,7 +101,8 @@ class ToolRequest:
                 item = json.loads(match.group(1))
             except json.JSONDecodeError:
                 continue
-            if not isinstance(item, dict) or item.get("name") not in self.parameters \
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
+                    or item["name"] not in self.parameters \
                     or not isinstance(item.get("arguments", {}), dict):
                 continue
             calls.append(_call(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False)))

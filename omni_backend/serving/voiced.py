@@ -57,12 +57,10 @@ class VoicedAnswer(SpokenAnswer):
                 if not held:
                     inputs.update(self._first(choice, step))
                     held = True
-                try:
-                    async for chunk in self.backend.chunks(inputs, generation.request_id):
-                        yield choice, chunk.audio
-                except errors.OpenAIError:
-                    held = False  # the voice stage ended the failed answer itself
-                    raise
+                # a failure here may come from anywhere between us and the stage: the cancel in `finally` still
+                # goes (an answer the stage already ended makes it a no-op), so no talker KV is left held
+                async for chunk in self.backend.chunks(inputs, generation.request_id):
+                    yield choice, chunk.audio
                 if step.finish_reason:
                     held = False  # its last request has been answered to the end
                     yield choice, replace(step, text="", logprobs=None, rows={})

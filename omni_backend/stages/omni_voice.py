@@ -41,6 +41,7 @@ class OmniVoice:
         self.code2wav = Code2Wav(folder, code2wav, device=device)
         self.feeds: dict[str, tuple[ReplyFeed, int]] = {}
         self.talker_batch_sizes: Counter[int] = Counter()  # talker steps per number of answers that got a token
+        self._stalled = False  # the talker's last step ran nothing though sequences waited (`step`)
         self._held_steps = 0  # talker steps code2wav had a ready chunk and waited (Code2WavSettings.max_delay_steps)
 
     def start(self, request_id: str, voice: str, seed: int, num_prompt_tokens: int,
@@ -73,7 +74,9 @@ class OmniVoice:
             request = feed.push(hidden, embeds, finished)
             if request.prompt is not None:
                 ids, prompt, positions = request.prompt
-                self.talker.add_request(request_id, ids, self.inputs.sampling(self.settings, seed), prompt,
+                # a long prompt leaves fewer codec tokens: the speech ends "length" rather than failing
+                room = min(self.settings.max_codec_tokens, self.settings.max_model_len - len(ids))
+                self.talker.add_request(request_id, ids, self.inputs.sampling(self.settings, seed, room), prompt,
                                         positions, self.inputs.addends(request.rows))
                 if request.tail is not None:
                     self.talker.extend_inputs(request_id, None, request.tail)
@@ -82,11 +85,12 @@ class OmniVoice:
         except ValueError:
             self.abort(request_id)
             raise
+        self._stalled = False  # new rows may let a waiting sequence go on
 
     def has_work(self) -> bool:
         """Whether `step` could produce something now (a talker waiting for its thinker's rows could not)."""
         scheduler = self.talker.scheduler
-        runnable = any(seq.inputs_ready() for seq in (*scheduler.running, *scheduler.waiting))
+        runnable = not self._stalled and any(seq.inputs_ready() for seq in (*scheduler.running, *scheduler.waiting))
         return runnable or self.code2wav.has_work()
 
     def step(self) -> list[Chunk]:
@@ -95,6 +99,9 @@ class OmniVoice:
         `max_delay_steps` talker steps for other answers' chunks to batch with."""
         failed = []
         outputs = self.talker.step()
+        # nothing ran though sequences wait (no batch slot or KV blocks free): no more talker steps until rows
+        # arrive or an answer ends (`push`, `abort`), else the worker would spin
+        self._stalled = self.talker.stalled
         if outputs:
             self.talker_batch_sizes[len(outputs)] += 1
         for output in outputs:
@@ -125,6 +132,7 @@ class OmniVoice:
 
     def abort(self, request_id: str) -> None:
         """Stop an answer in both engines and free its KV blocks."""
+        self._stalled = False  # its slot and blocks may let a waiting sequence in
         self.feeds.pop(request_id, None)
         self.talker.abort(request_id)
         self.code2wav.abort(request_id)

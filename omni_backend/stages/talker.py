@@ -168,10 +168,13 @@ class TalkerInputs:
             positions = PromptPositions(torch.cat([prompt_positions.to(torch.int64), after.expand(3, -1)], dim=1))
         return ids, PromptEmbeds(torch.arange(count + 2), rows), positions
 
-    def sampling(self, settings: TalkerSettings, seed: int | None = None) -> SamplingParams:
-        """The talker's sampling (module docstring); greedy keeps the penalty and the suppression."""
+    def sampling(self, settings: TalkerSettings, seed: int | None = None,
+                 max_tokens: int | None = None) -> SamplingParams:
+        """The talker's sampling (module docstring); greedy keeps the penalty and the suppression. `max_tokens`:
+        codec tokens at most (default `settings.max_codec_tokens`)."""
         values = dict(SAMPLING, temperature=0.0) if settings.greedy else dict(SAMPLING)
-        return SamplingParams(max_tokens=settings.max_codec_tokens, seed=seed, stop_token_ids=self.stop_token_ids,
+        return SamplingParams(max_tokens=max_tokens or settings.max_codec_tokens, seed=seed,
+                              stop_token_ids=self.stop_token_ids,
                               suppress_token_ids=[self.codec_bos], stream=True, **values)
 
     def addends(self, later_rows: torch.Tensor | None = None) -> InputAddends:

@@ -27,6 +27,7 @@ at most every PUBLISH_INTERVAL_S while busy, and once more before it waits idle.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import random
 import threading
@@ -47,6 +48,8 @@ from omni_backend.stages.code2wav import Chunk, Code2WavSettings
 from omni_backend.stages.talker import SPEAKER_FILE, TalkerSettings
 from omni_backend.stages.tensors import one_value, string_tensor
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
+
+logger = logging.getLogger(__name__)
 
 INPUT_NAMES = (T.STREAM_KEY, T.CANCEL, T.VOICE, T.SEED, T.PROMPT_TOKENS, T.PROMPT_POSITIONS, T.MEDIA_POSITIONS,
                T.HIDDEN_STATES, T.INPUT_EMBEDS, T.FINISH_REASON)
@@ -243,8 +246,22 @@ class VoiceWorker:
         self.publish(stats)
 
     def _loop(self) -> None:
-        while self.run_once(block=True):
-            pass
+        while True:
+            try:
+                if not self.run_once(block=True):
+                    return
+            except Exception as exc:  # a talker or code2wav fault (out of memory, a device error): the answers in
+                # progress end with an error and the stage goes on serving; the thread must not die, or every
+                # later request would wait forever on a model that still looks ready
+                logger.exception("the voice step failed; ending the %d answers in progress", len(self.answers))
+                self._fail_all(f"the voice stage failed: {exc}")
+
+    def _fail_all(self, error: str) -> None:
+        """End every answer in progress with `error` (delivered now, or at its next request)."""
+        for key in list(self.answers):
+            self.voice.abort(key)
+            self._started.pop(key, None)
+            self._deliver(Chunk(key, -1, torch.zeros(0), True, error))
 
     def _apply(self, request: VoiceRequest, sink: ChunkSink) -> None:
         if request.kind == "cancel":
@@ -298,8 +315,8 @@ class VoiceWorker:
             return
         if chunk.final:
             answer.ended = True
-            if answer.listener is not None:  # its last request has come: nothing more will ask for it
-                del self.answers[chunk.request_id]
+            if answer.listener is not None or chunk.error:  # its last request has come, or its asker stops at
+                del self.answers[chunk.request_id]            # the error: nothing more will ask for it
         if chunk.error:
             sink.fail(StageError(ErrorKind.INTERNAL, chunk.error))
         else:

@@ -86,7 +86,7 @@ class VoiceAnswer:
         self.first = {T.VOICE: voice, **({T.SEED: np.array([seed], np.int64)} if seed is not None else {}),
                       **({T.PROMPT_POSITIONS: prompt_positions} if prompt_positions is not None else {})}
         self.started = False  # its first request went to the voice stage
-        self.ended = False  # its last request was answered to the end (or it failed there)
+        self.ended = False  # its last request was answered to the end
 
     def speak(self, response: dict[str, np.ndarray]) -> None:
         """One llm response: its text to the client, its rows to the voice stage and the chunks ready to the client;
@@ -94,7 +94,7 @@ class VoiceAnswer:
         the client cancels.
 
         Raises:
-            StageFailure: the voice stage's error (the answer has then ended there).
+            StageFailure: the voice stage's error (`cancel` still frees the answer; a no-op if the stage ended it).
         """
         finish = one_value(response, T.FINISH_REASON, str, "")
         text = one_value(response, T.TEXT_OUTPUT, str, "")
@@ -115,10 +115,7 @@ class VoiceAnswer:
                 self.client.send({T.TEXT_OUTPUT: string_tensor(""), T.WAVEFORM: waveform, T.AUDIO: to_int16(waveform),
                                   T.SAMPLE_RATE: chunk[T.SAMPLE_RATE], T.CHUNK_INDEX: chunk[T.CHUNK_INDEX],
                                   T.FINISH_REASON: string_tensor("")}, False)
-        except Exception:
-            self.ended = True  # the voice stage ends a failed answer itself
-            raise
-        finally:
+        finally:  # on a failure `ended` stays False, so the cancel still goes (a no-op if the stage ended it)
             chunks.close()
         if finish and not self.client.cancelled:
             self.ended = True

@@ -5,6 +5,7 @@ the talker's KV; refused voices and rows end only their answer."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -201,3 +202,42 @@ def test_a_ready_chunk_waits_up_to_max_delay_steps_for_others_to_batch_with(fold
         chunks += voice.step()
     assert dict(voice.code2wav.batch_sizes) == batches
     assert sorted(c.request_id for c in chunks if c.final) == ["first", "second"]
+
+
+def wait_until(condition, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_failing_step_ends_the_answers_in_progress_and_the_worker_goes_on(folder):
+    """A talker or code2wav fault (out of memory, a device error) must not kill the worker thread: the answers it
+    held end with an INTERNAL error, their KV is freed, and the next answer is spoken."""
+    worker = VoiceWorker(make_voice(folder), ("Chelsie", "Ethan"), 24000)  # its own thread, as served
+    try:
+        hidden, embeds = rows(PROMPT + 2, worker.voice.inputs.width, seed=3)
+        real_step, calls = worker.voice.code2wav.step, []
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected device fault")
+            return real_step()
+
+        worker.voice.code2wav.step = failing_once
+        held = Sink()
+        worker.submit(push("g", hidden, embeds, finish="stop", first=True), held)
+        wait_until(lambda: held.ended)
+        error = held.errors[0]
+        assert isinstance(error, StageError) and error.kind is ErrorKind.INTERNAL
+        assert "injected device fault" in str(error) and not held.sent
+        talker = worker.voice.talker.runner
+        wait_until(lambda: worker.answers == {})
+        assert talker.block_manager.num_free_blocks == talker.num_blocks
+        after = Sink()
+        worker.submit(push("h", hidden, embeds, finish="stop", first=True), after)
+        wait_until(lambda: after.ended)
+        assert not after.errors and after.sent[-1][1] and after.waveform().size > 0
+    finally:
+        worker.shutdown()

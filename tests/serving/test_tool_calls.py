@@ -95,6 +95,8 @@ def test_hermes_blocks_naming_given_tools_become_calls_and_the_rest_stays_conten
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     assert len({c["id"] for c in calls}) == 2
     assert tools.calls("Just text.") == ("Just text.", [])
+    odd = '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>'  # a model's output, not a client fault
+    assert tools.calls(odd) == (odd, [])
 
 
 def test_required_and_named_answers_and_answers_cut_short():

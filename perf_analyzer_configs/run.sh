@@ -3,7 +3,8 @@
 #   perf_analyzer_configs/run.sh MODEL [perf_analyzer flags; default --concurrency-range 2 --request-count 16]
 # MODEL: omni_chat, omni_speech (entry points), preprocess, llm, postprocess, speech_options, tts,
 #        vision_encoder, audio_encoder (zero inputs of the default encoders' shapes; dynamic batching),
-#        omni_chat_mm (text-only omni_chat data), media_embed (one zero image).
+#        omni_chat_mm (text-only omni_chat data), media_embed (one zero image), voice (a voice check; a model with
+#        a talker: its spoken answers are measured through omni_speech).
 # Decoupled models need gRPC streaming; the others use plain gRPC.
 # Server: OMNI_GRPC_URL (default localhost:8001, what scripts/serve.sh listens on).
 set -euo pipefail
@@ -11,7 +12,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 model="${1:?usage: run.sh MODEL [perf_analyzer flags]}"
 shift
 case "$model" in
-  omni_chat|omni_chat_mm|omni_speech|llm|tts) mode=(--async --streaming) ;;   # decoupled
+  omni_chat|omni_chat_mm|omni_speech|llm|tts|voice) mode=(--async --streaming) ;;   # decoupled
   preprocess|postprocess|speech_options|vision_encoder|audio_encoder|media_embed) mode=() ;;
   diffusion|png_encode|text2image) mode=() ;;   # text to image (one response each)
   *) echo "run.sh: unknown model $model" >&2; exit 2 ;;

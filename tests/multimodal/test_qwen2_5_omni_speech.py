@@ -7,15 +7,11 @@ import numpy as np
 import pytest
 import torch
 from omni_reference import messages, transformers_inputs, transformers_reference
-from test_qwen2_5_omni import engine_request, make_engine, prepare
+from test_qwen2_5_omni import engine_request, folder, make_engine, ours, prepare, reference  # noqa: F401 (fixtures)
 
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.setup.tiny_hf_multimodal import build
-from omni_backend.stages.code2wav import Code2Wav, Code2WavSettings
-from omni_backend.stages.media_encoder import create_stage
-from omni_backend.stages.preprocess import Preprocessor
-from omni_backend.stages.preprocess_media import MediaConfig
+from omni_backend.stages.code2wav import Code2WavSettings
 from omni_backend.stages.omni_voice import OmniVoice
 from omni_backend.stages.talker import (ReplyFeed, Speakers, TalkerInputs, TalkerRequest, TalkerSettings,
                                         engine_config, thinker_rows)
@@ -25,20 +21,6 @@ REPLY = 24  # thinker tokens per answer (enough to outgrow the tight KV cache be
 HIDDEN_TOLERANCE = 1e-5  # float32, absolute, on rows of magnitude up to ~3.5 (seen: 8.3e-7 at most)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return str(build("qwen2_5_omni", tmp_path_factory.mktemp("omni-speech") / "checkpoint", log=lambda _: None))
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    return transformers_reference(folder)
-
-
-@pytest.fixture(scope="module")
-def ours(folder):
-    stage = Preprocessor.from_pretrained(folder, 2048, MediaConfig.from_parameters({"llm_model_path": folder}))
-    return stage, {kind: create_stage(kind, {"llm_model_path": folder}) for kind in ("image", "audio")}
 
 
 def transformers_rows(thinker, inputs, case: str) -> tuple[list[int], np.ndarray, np.ndarray]:

@@ -154,6 +154,11 @@ class LLMEngine:
                 ids.update(value)
         return ids
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (engine/tp_ranks.py; nothing with one rank). Call it once
+        no step runs any more."""
+        self.runner.close()
+
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len

@@ -127,13 +127,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config)  # first: it names an unsupported architecture
-        self.tokenizer = None if config.talker else AutoTokenizer.from_pretrained(config.model_path)
+        try:  # the folder's tokenizer files may still fail: then stop the tensor-parallel ranks started
+            self.tokenizer = None if config.talker else AutoTokenizer.from_pretrained(config.model_path)
+            self.eos_token_ids = set() if config.talker else self._eos_token_ids(config.model_path)
+            # a talker reads codec ids, never text: it has no tokenizer to compile grammars against
+            self.grammars = None if config.talker else GrammarCompiler(
+                self.tokenizer, self.runner.model.embed_tokens.num_embeddings, sorted(self.eos_token_ids))
+        except BaseException:
+            self.runner.close()
+            raise
         self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_token_ids = set() if config.talker else self._eos_token_ids(config.model_path)
         self.stalled = False
-        # a talker reads codec ids, never text: it has no tokenizer to compile grammars against
-        self.grammars = None if config.talker else GrammarCompiler(
-            self.tokenizer, self.runner.model.embed_tokens.num_embeddings, sorted(self.eos_token_ids))
         # requests whose grammar is compiling: (its future, when it was asked for), in arrival order
         self.awaiting_grammar: dict[str, tuple[concurrent.futures.Future, float]] = {}
         self.requests: dict[str, _RequestState] = {}

@@ -9,9 +9,10 @@ the all-reduces), written here for this engine:
   shard of the weights (engine/tensor_parallel.py) and says it is ready;
 - a forward pre-hook on rank 0's model sends every call of it (input ids, positions, the attention metadata, input
   embeddings; host copies, pickled) down a pipe to each rank before rank 0 runs it, so the warm-up and profiling
-  calls are mirrored like the steps; each rank runs the same forward on its own KV cache, as many blocks as the
-  cache rank 0 passed (its own KV heads only), and the ranks meet at the all-reduces. Only rank 0 computes logits
-  and samples (the output head is whole on every rank).
+  calls are mirrored like the steps (nano-vllm writes its calls to shared memory and wakes each rank with an
+  event; a pipe per rank costs a copy and also tells a rank that rank 0 is gone); each rank runs the same
+  forward on its own KV cache, as many blocks as the cache rank 0 passed (its own KV heads only), and the ranks
+  meet at the all-reduces. Only rank 0 computes logits and samples (the output head is whole on every rank).
 
 Shutdown: `close` asks every rank to stop, joins it, terminates one that does not exit within STOP_WAIT_S and
 destroys the process group. The ranks are daemonic (multiprocessing terminates them when rank 0's interpreter

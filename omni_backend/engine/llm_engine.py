@@ -284,7 +284,8 @@ class LLMEngine:
         whose logits come out non-finite (NaN or Inf) ends alone, with finish_reason "error"; the others go on.
 
         Raises:
-            torch.OutOfMemoryError: a one-token step still runs out of memory.
+            torch.OutOfMemoryError: a one-token step still runs out of memory, or any step of an engine with
+                tensor-parallel ranks (they cannot be brought back in step).
         """
         outputs = self._admit_compiled() if self.awaiting_grammar else []
         batch = self.scheduler.schedule()
@@ -299,7 +300,8 @@ class LLMEngine:
             sampled, result = self.runner.execute(batch)
         except torch.OutOfMemoryError:
             self.runner.release_step_memory()
-            if not self.scheduler.shrink_token_budget():
+            # with tensor-parallel ranks the step cannot be retried: the others may be waiting in its all-reduces
+            if self.runner.ranks is not None or not self.scheduler.shrink_token_budget():
                 raise
             self.num_oom_recoveries += 1
             logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token "

@@ -82,6 +82,7 @@ class RankSpec:
 
     @property
     def size(self) -> int:
+        """The number of ranks, rank 0 included."""
         return len(self.devices)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers.processes import gone, running
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
@@ -72,23 +72,11 @@ def test_the_second_rank_exits_when_rank_0_is_killed(tiny_qwen2_path):
     rank_0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         rank_1 = int(rank_0.stdout.readline())
-        assert _running(rank_1)
+        assert running(rank_1)
     finally:
         rank_0.kill()
         rank_0.wait()
-    deadline = time.monotonic() + 30
-    while _running(rank_1) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(rank_1)
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (an exited process nobody has reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert gone(rank_1, within_s=30)
 
 
 def test_shards_split_kv_head_groups_and_mlp_units_unevenly():

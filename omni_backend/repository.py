@@ -127,7 +127,7 @@ class Settings:
         `llm_instance_group`, `llm_parameters` and `voice_model` (the voice stage's name when the served checkpoint
         has a talker, else "": its spoken answers then come from the tts stage)."""
         values = {name: to_text(value) for name, value in vars(self).items()}
-        values["llm_instance_group"] = llm_instance_group(self.device)
+        values["llm_instance_group"] = llm_instance_group(self.device, tensor_parallel_size=self.tensor_parallel_size)
         values["llm_parameters"] = self.llm_parameters()
         values["voice_model"] = "voice" if has_talker(self.llm_model_path) else ""
         return values
@@ -164,13 +164,15 @@ def _torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def llm_instance_group(device: str, cuda_available=_torch_cuda_available) -> str:
+def llm_instance_group(device: str, cuda_available=_torch_cuda_available, tensor_parallel_size: int = 1) -> str:
     """The llm model's Triton instance group for the `device` setting.
 
     KIND_GPU on GPUs: Triton then starts one instance (stub process) per listed GPU and tells each its GPU
     (`args["model_instance_device_id"]`), so every GPU gets its own engine, KV cache and governor: data parallel
     inside one tritonserver, with Triton spreading requests over the instances. "cuda" lists every GPU, "cuda:N"
-    only GPU N; "auto" is "cuda" when torch can use CUDA (`cuda_available`, asked only for "auto").
+    only GPU N; "auto" is "cuda" when torch can use CUDA (`cuda_available`, asked only for "auto"). With
+    `tensor_parallel_size` > 1 on GPUs, one KIND_MODEL instance: its engine is rank 0 on the `device` setting's GPU
+    (cuda: the first) and spawns the other ranks on the next GPUs (engine/tp_ranks.py).
 
     Raises:
         ValueError: not auto, cpu, cuda or cuda:N.
@@ -179,6 +181,8 @@ def llm_instance_group(device: str, cuda_available=_torch_cuda_available) -> str
         device = "cuda" if cuda_available() else "cpu"
     if device == "cpu":
         return "{ count: 1 kind: KIND_CPU }"
+    if tensor_parallel_size > 1:
+        return "{ count: 1 kind: KIND_MODEL }"
     if device == "cuda":
         return "{ count: 1 kind: KIND_GPU }"
     index = device.removeprefix("cuda:")

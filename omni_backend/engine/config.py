@@ -25,7 +25,7 @@ class EngineConfig(SettingGroup):
     """Settings of one LLM engine instance (each field's doc is its `setting`'s; cross-field rules below).
 
     Rules between fields: max_num_batched_tokens >= max_num_seqs; quantization int8 computes in float32 (dtype auto
-    or float32) on CPU engines only. An engine resolves `device` "auto" when it is built (`torch_device`); the llm
+    or float32) on CPU engines only, without tensor parallelism. An engine resolves `device` "auto" when it is built (`torch_device`); the llm
     stage resolves it per Triton instance first (stages/llm/parameters.py).
 
     Raises:
@@ -62,6 +62,11 @@ class EngineConfig(SettingGroup):
     quantization: str = setting("none", "int8: weight-only int8 projections and output head, one float32 scale per "
                                 "output channel (CPU engines computing in float32; kernels/linear_cpu.py)",
                                 choices=QUANTIZATIONS)
+    tensor_parallel_size: int = setting(1, "ranks that split the model's attention heads and MLP "
+                                        "(engine/tensor_parallel.py): this process is rank 0 and spawns the others; "
+                                        "CPU ranks share cpu_threads, GPU ranks take cuda:i..i+N-1 and need "
+                                        "enforce_eager; every CPU rank runs the torch modules, not the C++ CPU step",
+                                        low=1)
     grammar_compile_timeout_s: float = setting(10.0, "longest wait for a request's grammar (structured output) to "
                                                "compile, seconds; past it the request is refused (400)", low=0.0,
                                                low_open=True)
@@ -74,6 +79,9 @@ class EngineConfig(SettingGroup):
             raise ValueError("need max_num_batched_tokens >= max_num_seqs")
         if self.quantization != "none" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} computes in float32; dtype {self.dtype} is not that")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization} runs in the C++ CPU step, which cannot shard; "
+                             f"tensor_parallel_size {self.tensor_parallel_size} is not that")
         if self.quantization != "none" and self.device not in ("cpu", "auto"):
             raise ValueError(f"quantization {self.quantization} runs on CPU engines only (device {self.device})")
 

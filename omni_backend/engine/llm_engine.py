@@ -127,13 +127,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config)  # first: it names an unsupported architecture
-        self.tokenizer = None if config.talker else AutoTokenizer.from_pretrained(config.model_path)
+        try:  # the folder's tokenizer files may still fail: then stop the tensor-parallel ranks started
+            self.tokenizer = None if config.talker else AutoTokenizer.from_pretrained(config.model_path)
+            self.eos_token_ids = set() if config.talker else self._eos_token_ids(config.model_path)
+            # a talker reads codec ids, never text: it has no tokenizer to compile grammars against
+            self.grammars = None if config.talker else GrammarCompiler(
+                self.tokenizer, self.runner.model.embed_tokens.num_embeddings, sorted(self.eos_token_ids))
+        except BaseException:
+            self.runner.close()
+            raise
         self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_token_ids = set() if config.talker else self._eos_token_ids(config.model_path)
         self.stalled = False
-        # a talker reads codec ids, never text: it has no tokenizer to compile grammars against
-        self.grammars = None if config.talker else GrammarCompiler(
-            self.tokenizer, self.runner.model.embed_tokens.num_embeddings, sorted(self.eos_token_ids))
         # requests whose grammar is compiling: (its future, when it was asked for), in arrival order
         self.awaiting_grammar: dict[str, tuple[concurrent.futures.Future, float]] = {}
         self.requests: dict[str, _RequestState] = {}
@@ -153,6 +157,11 @@ class LLMEngine:
             elif isinstance(value, list):
                 ids.update(value)
         return ids
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (engine/tp_ranks.py; nothing with one rank). Call it once
+        no step runs any more."""
+        self.runner.close()
 
     @property
     def max_model_len(self) -> int:
@@ -275,7 +284,8 @@ class LLMEngine:
         whose logits come out non-finite (NaN or Inf) ends alone, with finish_reason "error"; the others go on.
 
         Raises:
-            torch.OutOfMemoryError: a one-token step still runs out of memory.
+            torch.OutOfMemoryError: a one-token step still runs out of memory, or any step of an engine with
+                tensor-parallel ranks (they cannot be brought back in step).
         """
         outputs = self._admit_compiled() if self.awaiting_grammar else []
         batch = self.scheduler.schedule()
@@ -290,7 +300,8 @@ class LLMEngine:
             sampled, result = self.runner.execute(batch)
         except torch.OutOfMemoryError:
             self.runner.release_step_memory()
-            if not self.scheduler.shrink_token_budget():
+            # with tensor-parallel ranks the step cannot be retried: the others may be waiting in its all-reduces
+            if self.runner.ranks is not None or not self.scheduler.shrink_token_budget():
                 raise
             self.num_oom_recoveries += 1
             logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token "

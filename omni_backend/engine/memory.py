@@ -25,11 +25,21 @@ CPU_DEFAULT_KV_CACHE_BYTES = 512 * MIB
 GPU_HEADROOM_BYTES = 256 * MIB
 
 
-def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V: 2 * layers * block_size * kv_heads * head_dim * size."""
+def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one block across all layers, K and V: 2 * layers * block_size * kv_heads * head_dim * size.
+    `num_kv_heads`: the KV heads one tensor-parallel rank holds (default: the model's)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * head_dim * element
+    kv_heads = hf_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * element
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The paged KV cache: per layer (K, V), each zeros [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ Start-up, in order (each step's reason in its method's docstring):
 5. on a GPU, compile the attention kernels' shape specialisations where the backend compiles per shape
    (`_warm_up`), and capture decode CUDA graphs where it is graph-safe (triton); the torch backend synchronises
    with the host inside its decode path, so it runs eagerly.
+
+With `tensor_parallel_size` N > 1 this runner is rank 0: it holds its shard of the model (engine/tensor_parallel.py),
+starts ranks 1..N-1 before loading it (engine/tp_ranks.py), and every call of its model is replayed by them. The
+C++ CPU step cannot shard (its fused decode layer has no all-reduce between projections), so CPU ranks run the
+torch modules with oneDNN-packed weights (logged); decode CUDA graphs are not captured across ranks yet, so a GPU
+engine with N > 1 needs enforce_eager.
 """
 
 from __future__ import annotations
@@ -24,17 +30,16 @@ import torch
 from transformers import AutoConfig
 
 from kernels.cpu_library import CpuKernelUnavailable
-from kernels.paged_decode import DecodeWorkspace
 from omni_backend import checkpoints, paths
 from omni_backend.engine import cpu_dtype, cpu_linear
-from omni_backend.engine.attention.interface import AttentionMetadata
+from omni_backend.engine.attention.interface import AttentionMetadata, DecodePlans
 from omni_backend.engine.attention.selector import select_attention
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.cuda_graphs import DecodeGraphRunner, capture_batch_sizes
 from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.hidden_states import record_hidden_states
-from omni_backend.engine.memory import GpuMemoryProfile, kv_block_bytes, plan_kv_cache
+from omni_backend.engine.memory import GpuMemoryProfile, allocate_kv_cache, kv_block_bytes, plan_kv_cache
 from omni_backend.engine.models import registry
 from omni_backend.engine.models.llama import LlamaForCausalLM
 from omni_backend.engine.prompt_logprobs import record_prompt_logprobs
@@ -43,6 +48,8 @@ from omni_backend.engine.structured_output import apply_grammar_bitmask
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
 from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
+from omni_backend.engine.tensor_parallel import Shard
+from omni_backend.engine.tp_ranks import RankSpec, TensorParallelRanks, free_tcp_address
 from omni_backend.ops.hardware import select_dtype
 
 logger = logging.getLogger(__name__)
@@ -75,10 +82,14 @@ class ModelRunner:
         kv_plan: the KV cache's size and how it was decided (`memory.KVCachePlan`); memory_profile: what a GPU
             engine measured before sizing it (None on CPU or with an explicit size); graph_pool_bytes: what
             capturing the CUDA graphs added to the reserved device memory (0 without graphs).
+        shard: this runner's tensor-parallel rank (0) and the rank count; num_q_heads, num_kv_heads: the heads
+            it holds; ranks: the other ranks (None with one).
 
     Raises (constructor):
-        ValueError: unsupported architecture, max_model_len beyond the model, a KV budget without one block, or
-            quantization "int8" for a model without a CPU step.
+        ValueError: unsupported architecture, max_model_len beyond the model, a KV budget without one block,
+            quantization "int8" for a model without a CPU step, or a tensor_parallel_size the model or devices
+            cannot take (more ranks than KV heads or GPUs; GPU ranks without enforce_eager).
+        RuntimeError: a tensor-parallel rank failed to start (its reason in the message).
         RuntimeError: an explicitly requested attention backend fails its self-test.
         kernels.cpu_library.CpuKernelUnavailable: the "cpu" attention backend was requested explicitly, or
             quantization "int8", and the C++ kernels cannot be built here.
@@ -88,22 +99,30 @@ class ModelRunner:
         self.config = config
         self.device = Device(str(config.torch_device))
         self.device.bind_thread()
+        self.shard = Shard(0, config.tensor_parallel_size)
+        self.ranks: TensorParallelRanks | None = None
         if not self.device.is_cuda:
-            if config.cpu_threads:
-                torch.set_num_threads(config.cpu_threads)
-            logger.info("CPU engine: %d torch thread(s)", torch.get_num_threads())
+            # the engine's threads are split over its ranks, which share this machine's cores
+            torch.set_num_threads(max(1, (config.cpu_threads or torch.get_num_threads()) // self.shard.size))
+            logger.info("CPU engine: %d torch thread(s)%s", torch.get_num_threads(),
+                        " per tensor-parallel rank" if self.shard.size > 1 else "")
+        elif self.shard.size > 1 and not config.enforce_eager:
+            raise ValueError(f"tensor_parallel_size {self.shard.size} on a GPU: decode CUDA graphs are not captured "
+                             "across ranks yet; set enforce_eager true")
         self.architecture = checkpoints.architecture(config.model_path)  # before transformers reads the config
         if config.talker:
             self.architecture = registry.talker(self.architecture)
         checkpoint_config = AutoConfig.from_pretrained(config.model_path)
         self.language_model = registry.language_model(self.architecture,
                                                       checkpoint_config.get_text_config().model_type)
+        # the C++ CPU step cannot shard (see the module docstring)
+        self.cpu_step = self.language_model.cpu_step if self.shard.size == 1 else None
         self.model_class = registry.load(self.language_model.model)
         hf_config = self.model_class.language_model_config(checkpoint_config, self.architecture.multimodal)
         self.hf_config = hf_config
         self.dtype, self.dtype_reason, self._bf16_onednn = self._resolve_dtype(config, hf_config)
-        self.num_q_heads = hf_config.num_attention_heads
-        self.num_kv_heads = hf_config.num_key_value_heads
+        heads = self.shard.heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+        self.num_q_heads, self.num_kv_heads = heads.num_q, heads.num_kv
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         max_positions = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 20))
         if config.max_model_len > max_positions:
@@ -116,18 +135,34 @@ class ModelRunner:
         self.fallback_reason = choice.fallback_reason
         logger.info("architecture %s (language model: %s's); dtype %s (%s); device %s", self.architecture.name,
                     self.language_model.name, self.dtype, self.dtype_reason, self.device.torch_device)
-        self.model = self._build_model(max_positions)
         self.sampler = Sampler()
         self.num_eager_steps = 0
         self.graph_runner: DecodeGraphRunner | None = None
         self.graph_pool_bytes = 0
         self._graph_sizes = capture_batch_sizes(config.max_num_seqs)
-        self._plans: dict[int, tuple[int | None, DecodeWorkspace | None]] = {}  # by decode batch size
+        self._decode_plan = DecodePlans(self.attention, self._graph_sizes, self.num_q_heads, self.num_kv_heads,
+                                        self.head_dim, config.max_blocks_per_seq * config.block_size,
+                                        self.device.torch_device)
         self.staging = HostToDeviceStaging(staging_capacity(config.max_num_batched_tokens, config.max_num_seqs),
                                            self.device)
+        try:
+            self._set_up(max_positions)
+        except BaseException:
+            self.close()
+            raise
 
+    def _set_up(self, max_positions: int) -> None:
+        """Start-up steps 2-5 (the module docstring), the other tensor-parallel ranks started first."""
+        config, hf_config = self.config, self.hf_config
+        if self.shard.size > 1:
+            self.ranks = self._start_ranks(max_positions)
+        self.model = self._build_model(max_positions)
+        if self.ranks is not None:
+            self.ranks.wait_ready()
+            self.model.register_forward_pre_hook(self.ranks.mirror, with_kwargs=True)
         capture = self._graphs_wanted()
-        block_bytes = kv_block_bytes(hf_config, config.block_size, self.dtype)
+        # rank 0 holds the most KV heads (tensor_parallel.Shard.span), so its block size bounds every rank's
+        block_bytes = kv_block_bytes(hf_config, config.block_size, self.dtype, self.num_kv_heads)
         profile = None
         if self.device.is_cuda and config.num_kv_blocks is None and not config.kv_cache_bytes:
             profile = self._profile_gpu_memory(capture)
@@ -163,21 +198,18 @@ class ModelRunner:
         dtype = select_dtype(config.dtype, self.device.torch_device)
         if config.dtype != "auto":
             return dtype, "configured", False
-        if self.device.is_cuda or dtype != torch.bfloat16 or self.language_model.cpu_step is None:
+        if self.device.is_cuda or dtype != torch.bfloat16 or self.cpu_step is None:
             return dtype, "auto: by device", False
         choice = cpu_dtype.choose(cpu_dtype.LayerShape.of(hf_config), config.max_num_seqs,
                                   paths.cache_dir() / "kernels", paths.cache_dir())
         return choice.dtype, choice.reason, choice.path == "bfloat16-onednn"
 
     def _build_model(self, max_positions: int) -> LlamaForCausalLM:
-        """The registry's model class built on the meta device, cast there (free), then materialised on the
-        engine's device in its final dtype and loaded: device memory never holds a float32 copy of bf16/fp16
-        weights."""
-        with torch.device("meta"):
-            model = self.model_class(self.hf_config, self.attention, max_positions)
-        model = model.to(self.dtype).to_empty(device=self.device.torch_device)
-        model.place_rope_cache(self.device.torch_device)
-        model.load_weights(self.config.model_path, self.architecture.weight_prefixes)
+        """The registry's model class (this rank's shard of it), built and loaded (`LlamaForCausalLM.build`)
+        in its final dtype on the engine's device, then its CPU matmuls chosen."""
+        model = self.model_class.build(self.hf_config, self.attention, max_positions, self.shard, self.dtype,
+                                       self.device.torch_device, self.config.model_path,
+                                       self.architecture.weight_prefixes)
         self.matmuls = "torch"
         if not self.device.is_cuda:
             self._use_cpu_matmuls(model)
@@ -195,8 +227,11 @@ class ModelRunner:
             ValueError: quantization "int8" for a model without a CPU step.
         """
         quantization = self.config.quantization
-        step = self.language_model.cpu_step
-        if step is None:
+        step = self.cpu_step
+        if step is None and self.shard.size > 1:
+            logger.info("CPU matmuls: tensor_parallel_size %d: the C++ CPU step cannot shard (its fused decode "
+                        "layer has no all-reduce), so every rank runs the torch modules", self.shard.size)
+        elif step is None:
             if quantization != "none":
                 raise ValueError(f"quantization {quantization} runs in a C++ CPU step, which the registry names "
                                  f"none for {self.language_model.name}")
@@ -241,10 +276,37 @@ class ModelRunner:
         return True
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.config.block_size, self.num_kv_heads, self.head_dim)
-        device = self.device.torch_device
-        return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-                for _ in range(self.hf_config.num_hidden_layers)]
+        return allocate_kv_cache(self.hf_config.num_hidden_layers, num_blocks, self.config.block_size,
+                                 self.num_kv_heads, self.head_dim, self.dtype, self.device.torch_device)
+
+    def _start_ranks(self, max_positions: int) -> TensorParallelRanks:
+        """Ranks 1..N-1 started (tp_ranks.py) on the next GPUs after this engine's, or on this CPU.
+
+        Raises:
+            ValueError: fewer GPUs from this engine's on than ranks.
+        """
+        size, device = self.shard.size, self.device.torch_device
+        if self.device.is_cuda:
+            first = device.index if device.index is not None else torch.cuda.current_device()
+            if first + size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {size} from cuda:{first} needs GPUs up to "
+                                 f"cuda:{first + size - 1}; this machine has {torch.cuda.device_count()}")
+            devices = tuple(f"cuda:{first + rank}" for rank in range(size))
+        else:
+            devices = ("cpu",) * size
+        spec = RankSpec(
+            self.language_model.model, self.hf_config, max_positions, self.architecture.weight_prefixes,
+            self.config.model_path, self.dtype, self.attention_backend, str(paths.cache_dir() / "kernels"),
+            self.config.block_size, self.config.max_num_seqs, self.config.max_blocks_per_seq, self.head_dim,
+            tuple(self._graph_sizes), not self.device.is_cuda and cpu_linear.packing_available(self.dtype),
+            torch.get_num_threads(), devices, free_tcp_address())
+        return TensorParallelRanks(spec)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing with one rank); the runner takes no steps after it."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     @torch.inference_mode()
     def _profile_gpu_memory(self, graphs: bool) -> GpuMemoryProfile:
@@ -335,18 +397,6 @@ class ModelRunner:
                            grown / 2**20, profile.graph_pool / 2**20)
 
     # --- one step ---------------------------------------------------------------------------------------------
-
-    def _decode_plan(self, num_decodes: int) -> tuple[int | None, DecodeWorkspace | None]:
-        """Split-KV partitions and workspace for a decode part of `num_decodes` rows (`AttentionBackend.decode_plan`:
-        (None, None) for a backend without split-KV decode). Fixed per captured batch size (the smallest >=
-        num_decodes), so eager steps and the graph replayed for that size launch the same; workspaces are allocated
-        once per size."""
-        size = next(s for s in self._graph_sizes if s >= num_decodes)
-        if size not in self._plans:
-            capacity = self.config.max_blocks_per_seq * self.config.block_size
-            self._plans[size] = self.attention.decode_plan(size, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                                                           capacity, self.device.torch_device)
-        return self._plans[size]
 
     def _decode_forward(self, input_ids, positions, slot_mapping, context_lens, block_tables,
                         input_embeds=None) -> torch.Tensor:

@@ -49,6 +49,9 @@ def test_llm_instance_group_follows_the_device_setting():
     assert repository.llm_instance_group("cuda:2") == "{ count: 1 kind: KIND_GPU gpus: [ 2 ] }"
     assert repository.llm_instance_group("auto", cuda_available=lambda: True) == "{ count: 1 kind: KIND_GPU }"
     assert repository.llm_instance_group("auto", cuda_available=lambda: False) == "{ count: 1 kind: KIND_CPU }"
+    # tensor parallel on GPUs: one instance whose engine spawns its ranks on the GPUs from the device setting's on
+    assert repository.llm_instance_group("cuda", tensor_parallel_size=2) == "{ count: 1 kind: KIND_MODEL }"
+    assert repository.llm_instance_group("cpu", tensor_parallel_size=2) == "{ count: 1 kind: KIND_CPU }"
 
 
 def test_gpu_settings_are_rendered_into_the_llm_and_gpu_stage_configs(tmp_path):

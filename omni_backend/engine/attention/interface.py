@@ -128,3 +128,30 @@ class AttentionBackend:
         out[:num_prefill] = self.prefill(q[:num_prefill], k_cache, v_cache, meta)
         out[num_prefill:] = self.decode(q[num_prefill:], k_cache, v_cache, meta)
         return out
+
+
+class DecodePlans:
+    """The split-KV plan (`AttentionBackend.decode_plan`) of each decode batch-size bucket, made once per bucket.
+
+    A decode part of n rows takes the plan of the smallest bucket >= n, so eager steps and the CUDA graph captured
+    for that bucket launch the same; its workspace is allocated once and reused.
+
+    Args:
+        attention: the backend; bucket_sizes: ascending decode batch sizes, the last >= any decode part
+            (`cuda_graphs.capture_batch_sizes`); num_q_heads, num_kv_heads, head_dim: the heads this engine (or
+            tensor-parallel rank) attends with; capacity: tokens a block table holds; device: the engine's.
+    """
+
+    def __init__(self, attention: AttentionBackend, bucket_sizes, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, capacity: int, device: torch.device):
+        self.attention, self.bucket_sizes = attention, tuple(bucket_sizes)
+        self.heads = (num_q_heads, num_kv_heads, head_dim)
+        self.capacity, self.device = capacity, device
+        self._plans: dict[int, tuple[int | None, DecodeWorkspace | None]] = {}
+
+    def __call__(self, num_decodes: int) -> tuple[int | None, DecodeWorkspace | None]:
+        """(decode_num_splits, decode_workspace) for a decode part of `num_decodes` rows."""
+        size = next(s for s in self.bucket_sizes if s >= num_decodes)
+        if size not in self._plans:
+            self._plans[size] = self.attention.decode_plan(size, *self.heads, self.capacity, self.device)
+        return self._plans[size]

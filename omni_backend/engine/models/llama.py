@@ -5,6 +5,11 @@ Architecture per Touvron et al., "LLaMA" (2023) and the Hugging Face `LlamaForCa
 2020), a QKV bias where the config asks for one (`qkv_bias`) and tied input/output embeddings. Q/K/V and gate/up
 projections are fused into one matmul each.
 
+Under tensor parallelism (engine/tensor_parallel.py) a model holds one rank's shard: its KV-head groups with their
+query heads (q/k/v rows, o_proj columns) and its part of the MLP (gate/up rows, down_proj columns); o_proj and
+down_proj outputs are partial sums, all-reduced over the ranks. Embeddings, norms and the output head are whole on
+every rank.
+
 `LlamaForCausalLM` is also the interface of every engine model the registry names (models/registry.py): built
 on the meta device from the language model's config, the attention backend and the RoPE table length; then
 `place_rope_cache`, `load_weights`, `forward`, `compute_logits`, `embed_tokens`, `pack_for_cpu`, and, for a model
@@ -26,6 +31,7 @@ from omni_backend.engine import cpu_linear
 from omni_backend.engine.attention.interface import AttentionBackend, AttentionMetadata
 from omni_backend.engine.models.llama_cpu import CpuLlamaForward
 from omni_backend.engine.models.rope import apply_rope, cos_sin_cache, rope_parameters
+from omni_backend.engine.tensor_parallel import SINGLE, Shard
 
 
 class RMSNorm(nn.Module):
@@ -44,17 +50,22 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, attention: AttentionBackend, bias: bool):
+    """One decoder layer, or `shard`'s part of it: x [T, hidden] -> [T, hidden] (whole on every rank)."""
+
+    def __init__(self, config, attention: AttentionBackend, bias: bool, shard: Shard):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads = shard.heads(config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = self.heads.num_q, self.heads.num_kv
+        self.mlp_span = shard.span(config.intermediate_size)
+        intermediate = self.mlp_span[1] - self.mlp_span[0]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
+        self.shard = shard
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = attention
@@ -69,9 +80,9 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         attn = self.attention(q, k, v, k_cache, v_cache, meta)
-        x = x + self.o_proj(attn.reshape(tokens, self.q_size))
+        x = x + self.shard.all_reduce(self.o_proj(attn.reshape(tokens, self.q_size)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(nn.functional.silu(gate) * up)
+        return x + self.shard.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,12 +114,14 @@ class LlamaForCausalLM(nn.Module):
             text_config.tie_word_embeddings = bool(tie)
         return text_config
 
-    def __init__(self, config, attention: AttentionBackend, max_positions: int):
+    def __init__(self, config, attention: AttentionBackend, max_positions: int, shard: Shard = SINGLE):
         super().__init__()
         self.config = config
+        self.shard = shard
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         bias = self.qkv_bias(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention, bias) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, attention, bias, shard)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
@@ -119,6 +132,19 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.cos_cache, self.sin_cache = cos_sin_cache(self.layers[0].head_dim, max_positions,
                                                        rope_parameters(config))
+
+    @classmethod
+    def build(cls, config, attention: AttentionBackend, max_positions: int, shard: Shard, dtype: torch.dtype,
+              device: torch.device, model_path: str, prefixes: tuple[str, ...]) -> LlamaForCausalLM:
+        """The model (`shard`'s part of it) built on the meta device, cast there (free), then materialised on
+        `device` in `dtype` and loaded (`load_weights`): device memory never holds a float32 copy of bf16/fp16
+        weights."""
+        with torch.device("meta"):
+            model = cls(config, attention, max_positions, shard)
+        model = model.to(dtype).to_empty(device=device)
+        model.place_rope_cache(device)
+        model.load_weights(model_path, prefixes)
+        return model
 
     @staticmethod
     def qkv_bias(config) -> bool:
@@ -181,9 +207,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, model_path: str, prefixes: tuple[str, ...]) -> None:
         """Load HF safetensors weights into the parameters (already on their device, in their final dtype),
-        fusing q/k/v and gate/up projections. Tensors are read one at a time from the memory-mapped files, so
-        the host holds at most one fused weight beside the mapping, never a second copy of the checkpoint. The
-        language model is read under the checkpoint's own names: `prefixes` is where the architecture keeps it
+        fusing q/k/v and gate/up projections and keeping the shard's rows / columns of each (`Shard`). Tensors
+        are read one at a time from the memory-mapped files, so the host holds at most one fused weight beside
+        the mapping, never a second copy of the checkpoint. The language model is read under the checkpoint's own names: `prefixes` is where the architecture keeps it
         (its registry row's `weight_prefixes`, `checkpoints.text_weight_name`).
 
         Raises:
@@ -216,12 +242,17 @@ class LlamaForCausalLM(nn.Module):
                     parameter.copy_(take(name))
                 for i, layer in enumerate(self.layers):
                     p = f"layers.{i}."
-                    layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                    spans = layer.heads.qkv_spans(layer.head_dim)  # this shard's output rows of q, k and v
+                    qkv = [take(p + f"self_attn.{n}_proj.weight")[a:b] for n, (a, b) in zip("qkv", spans)]
+                    layer.qkv_proj.weight.copy_(torch.cat(qkv))
                     if layer.qkv_proj.bias is not None:
-                        layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                    layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-                    layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                               take(p + "mlp.up_proj.weight")]))
-                    layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                        layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias")[a:b]
+                                                             for n, (a, b) in zip("qkv", spans)]))
+                    q_start, q_stop = spans[0]
+                    layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight")[:, q_start:q_stop])
+                    m_start, m_stop = layer.mlp_span
+                    layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight")[m_start:m_stop],
+                                                               take(p + "mlp.up_proj.weight")[m_start:m_stop]]))
+                    layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight")[:, m_start:m_stop])
                     layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
                     layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))

@@ -18,6 +18,7 @@ import torch
 from omni_backend.engine.attention.interface import AttentionBackend
 from omni_backend.engine.models.qwen2 import Qwen2ForCausalLM
 from omni_backend.engine.models.rope import rope_parameters
+from omni_backend.engine.tensor_parallel import SINGLE, Shard
 
 
 class Qwen2_5OmniThinkerForCausalLM(Qwen2ForCausalLM):
@@ -34,10 +35,10 @@ class Qwen2_5OmniThinkerForCausalLM(Qwen2ForCausalLM):
         text_config.tie_word_embeddings = bool(getattr(thinker, "tie_word_embeddings", False))
         return text_config
 
-    def __init__(self, config, attention: AttentionBackend, max_positions: int):
+    def __init__(self, config, attention: AttentionBackend, max_positions: int, shard: Shard = SINGLE):
         # A video's temporal ids advance 25 per second of video whatever its token count, so a prompt's position ids
         # can pass its length: the tables cover every position the model was trained for.
-        super().__init__(config, attention, max(max_positions, config.max_position_embeddings))
+        super().__init__(config, attention, max(max_positions, config.max_position_embeddings), shard)
         section = list(rope_parameters(config)["mrope_section"])
         head_dim = self.layers[0].head_dim
         if sum(section) * 2 != head_dim:
@@ -82,8 +83,8 @@ class Qwen2_5OmniTalkerForCausalLM(Qwen2_5OmniThinkerForCausalLM):
         config.tie_word_embeddings = False
         return config
 
-    def __init__(self, config, attention: AttentionBackend, max_positions: int):
-        super().__init__(config, attention, max_positions)
+    def __init__(self, config, attention: AttentionBackend, max_positions: int, shard: Shard = SINGLE):
+        super().__init__(config, attention, max_positions, shard)
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.embedding_size)
         self.thinker_to_talker_proj = torch.nn.Linear(config.embedding_size, config.hidden_size)
 

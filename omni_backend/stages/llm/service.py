@@ -251,6 +251,7 @@ class LLMService:
         for part in (self.core, self.router, self.stop_watch, self._metrics_loop):
             if part is not None:
                 part.stop()
+        self.core.engine.close()  # its other tensor-parallel ranks, if any: the loop has stopped
         self.router.fail_all(StageError(ErrorKind.UNAVAILABLE, "server is shutting down"))
         self.router.board.close()
 

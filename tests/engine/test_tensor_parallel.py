@@ -1,0 +1,96 @@
+"""Tensor parallelism on CPU: two ranks (gloo, a spawned second process) give TP=1's greedy tokens in float32,
+on SmolLM2 (3 KV heads: an uneven 2 + 1 split) and on the tiny Qwen2 (QKV bias, untied head), through batched,
+chunked prefills, prefix-cache hits and preemptions; the second rank is gone after `close` and when rank 0 is
+killed; and what cannot shard is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers.processes import gone, running
+
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.sampling_params import SamplingParams
+from omni_backend.engine.tensor_parallel import HeadShard, Shard
+
+SYSTEM = "You answer questions about rivers, mountains and cities in one short sentence, politely. "
+QUESTIONS = ["Where is the Nile?", "How high is Mont Blanc?", "Which river runs through Paris?",
+             "Name a city on the Danube."]
+# 8 blocks of 16 tokens for 4 sequences of ~22 prompt + 24 generated tokens (3 blocks each): they cannot all
+# stay resident, so the scheduler preempts; the 32-token budget chunks the prefills.
+LIMITS = {"num_kv_blocks": 8, "block_size": 16, "max_num_seqs": 4, "max_num_batched_tokens": 32,
+          "max_model_len": 128}
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _run(path: str, tp: int) -> tuple[list[list[int]], list[int], int, LLMEngine]:
+    """(tokens, cached tokens, preemptions) of two waves through a closed engine: the questions behind a shared
+    system prompt, then the same again (their blocks cached)."""
+    engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", tensor_parallel_size=tp, cpu_threads=2,
+                                    **LIMITS))
+    try:
+        prompts = [engine.tokenizer.encode(SYSTEM + q) for q in QUESTIONS]
+        outputs = engine.generate(prompts, PARAMS) + engine.generate(prompts[:2], PARAMS)
+        manager = engine.runner.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+        ranks = engine.runner.ranks._processes if tp > 1 else []
+    finally:
+        engine.close()
+    assert all(process.exitcode == 0 for process in ranks)  # stopped by close
+    return [o.token_ids for o in outputs], [o.cached_tokens for o in outputs], engine.scheduler.num_preemptions, \
+        engine
+
+
+@pytest.mark.parametrize("model_fixture", ["smollm2_path", "tiny_qwen2_path"])
+def test_two_cpu_ranks_give_the_greedy_tokens_of_one(model_fixture, request):
+    path = request.getfixturevalue(model_fixture)
+    one, one_cached, one_preempted, _ = _run(path, 1)
+    two, two_cached, two_preempted, engine = _run(path, 2)
+    assert two == one
+    assert one_preempted > 0 and two_preempted > 0
+    assert two_cached == one_cached and sum(two_cached[len(QUESTIONS):]) > 0  # the repeats hit the prefix cache
+    runner = engine.runner
+    assert runner.matmuls == "onednn-packed" and runner.ranks is None  # closed
+    assert runner.shard == Shard(0, 2)
+    config = runner.hf_config
+    assert runner.num_kv_heads == -(-config.num_key_value_heads // 2)  # rank 0 takes the larger half
+    assert runner.kv_caches[0][0].shape[2] == runner.num_kv_heads
+
+
+def test_the_second_rank_exits_when_rank_0_is_killed(tiny_qwen2_path):
+    """No orphan: rank 1 waits for calls on a pipe, whose end closes with rank 0's process."""
+    script = ("import sys, time\n"
+              "from omni_backend.engine.config import EngineConfig\n"
+              "from omni_backend.engine.llm_engine import LLMEngine\n"
+              f"engine = LLMEngine(EngineConfig(model_path={tiny_qwen2_path!r}, dtype='float32', "
+              f"tensor_parallel_size=2, **{LIMITS!r}))\n"
+              "print(engine.runner.ranks._processes[0].pid, flush=True)\n"
+              "time.sleep(600)\n")
+    rank_0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        rank_1 = int(rank_0.stdout.readline())
+        assert running(rank_1)
+    finally:
+        rank_0.kill()
+        rank_0.wait()
+    assert gone(rank_1, within_s=30)
+
+
+def test_shards_split_kv_head_groups_and_mlp_units_unevenly():
+    # SmolLM2-135M: 9 query heads over 3 KV heads, 1536 MLP units, on two ranks
+    assert Shard(0, 2).heads(9, 3) == HeadShard(q_start=0, num_q=6, kv_start=0, num_kv=2)
+    assert Shard(1, 2).heads(9, 3) == HeadShard(q_start=6, num_q=3, kv_start=2, num_kv=1)
+    assert Shard(1, 2).heads(9, 3).qkv_spans(64) == ((384, 576), (128, 192), (128, 192))
+    assert [Shard(r, 3).span(10) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="exceeds the model's 2 KV heads"):
+        Shard(0, 4).heads(8, 2)
+
+
+def test_what_cannot_shard_is_refused(tiny_qwen2_path):
+    with pytest.raises(ValueError, match="cannot shard"):
+        EngineConfig(model_path=tiny_qwen2_path, quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 exceeds the model's 2 KV heads"):
+        LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", tensor_parallel_size=4, **LIMITS))

@@ -56,6 +56,9 @@ loop and the response thread only append plain records, and `LLMService`'s metri
 
 ITL is one observation per request (the mean gap between its tokens, genai-perf's definition) rather than
 one per token, which would cost an IPC call per token.
+
+The same snapshots also feed the load metrics under vLLM's names (`vllm:num_requests_waiting`, ...), labelled
+`model_name` and `engine` as vLLM's: ops/standard_metrics.py.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from omni_backend.ops.standard_metrics import StandardMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +139,12 @@ class LLMMetrics:
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
             attention_reason, matmuls, fallback_reason, dtype and dtype_reason); None: the gauge is not published.
+        engine_index: the engine's index among the server's llm instances (its GPU's; 0 on a CPU), the `engine`
+            label of the vLLM-named metrics (ops/standard_metrics.py).
     """
 
     def __init__(self, pb_utils, model: str, version: str, attention_backend: str, device: str = "cpu",
-                 runtime_info: dict[str, str] | None = None):
+                 runtime_info: dict[str, str] | None = None, engine_index: int = 0):
         family = pb_utils.MetricFamily
         labels = {"model": model, "version": str(version), "device": device}
         self._families = []  # a MetricFamily must outlive its metrics
@@ -201,6 +208,7 @@ class LLMMetrics:
         self.heartbeat = metric(HEARTBEAT, HEARTBEAT_DESCRIPTION, G)
         self.kv_events_dropped = metric("omni_kv_events_dropped_total",
                                         "KV events not published: the KV-event stream's buffer was full", C)
+        self.standard = StandardMetrics(pb_utils, model, str(engine_index))
         self._last = LLMStats()
 
     def publish(self, stats: LLMStats, now: float | None = None) -> None:
@@ -218,6 +226,8 @@ class LLMMetrics:
                 self.ttft.observe(request.ttft_s)
             if request.mean_itl_s is not None:
                 self.itl.observe(request.mean_itl_s)
+        self.standard.publish(stats.running, stats.waiting, stats.kv_blocks_used, stats.kv_blocks_total,
+                              stats.finished)
         for seconds in stats.grammar_compile_s:
             self.grammar_compile.observe(seconds)
         last = self._last

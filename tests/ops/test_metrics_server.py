@@ -208,3 +208,53 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
     assert check(server.http_url, server.metrics_url) == (True, "ok")
     status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True})
     assert status == 200 and body["completion_tokens"] == 4, body
+
+
+STANDARD = {"model_name": "llm", "engine": "0"}  # vLLM's labels: the model its clients address, the engine index
+
+
+def standard(samples: dict, name: str, **labels) -> float:
+    """The one sample of a vLLM-named family with STANDARD labels (and `labels`); 0 when absent."""
+    found = [v for got, v in samples.get(name, []) if {**STANDARD, **labels}.items() <= got.items()]
+    assert len(found) <= 1, (name, found)
+    return found[0] if found else 0.0
+
+
+def test_the_standard_gauges_follow_the_queue(governed_server):
+    """12 requests at once on an engine of 8 sequences per step: vllm:num_requests_running shows the 8, waiting the
+    rest, kv_cache_usage_perc the blocks they hold (the omni_ gauges of the same snapshot); all go back to 0 after,
+    and each request is one TTFT and one ITL observation."""
+    server = governed_server
+    before = scrape(server)
+    results = [{} for _ in range(12)]
+    # 96 tokens each: about 4 s of steps for the first 8 on the 2-core CI machine, so a scrape sees 4 waiting
+    threads = [threading.Thread(target=lambda r=r: r.update(r=stream_infer(server.grpc_url, {
+        "text_input": f"Count to {i}:", "max_tokens": 96, "ignore_eos": True, "stream": True, "temperature": 0})))
+        for i, r in enumerate(results)]
+    for thread in threads:
+        thread.start()
+
+    def queued(s):
+        used, total = value(s, "omni_kv_cache_blocks_used"), value(s, "omni_kv_cache_blocks_total")
+        return (standard(s, "vllm:num_requests_running") == 8 and standard(s, "vllm:num_requests_waiting") == 4
+                and value(s, "omni_requests_waiting") == 4 and used > 0
+                and standard(s, "vllm:kv_cache_usage_perc") == pytest.approx(used / total, abs=1e-9))
+
+    during = scrape_until(server, queued, "8 running and 4 waiting on the standard gauges")
+    assert 0 < standard(during, "vllm:kv_cache_usage_perc") < 1
+    for thread in threads:
+        thread.join(180)
+    assert all(r["r"].error is None and r["r"].last("completion_tokens") == 96 for r in results)
+    after = scrape_until(server, lambda s: standard(s, "vllm:time_to_first_token_seconds_count") - standard(
+        before, "vllm:time_to_first_token_seconds_count") == 12, "the 12 requests' TTFTs published")
+    assert standard(after, "vllm:num_requests_running") == standard(after, "vllm:num_requests_waiting") == 0
+    assert standard(after, "vllm:kv_cache_usage_perc") == 0
+    delta = lambda name, **labels: standard(after, name, **labels) - standard(before, name, **labels)  # noqa: E731
+    assert delta("vllm:inter_token_latency_seconds_count") == 12
+    assert delta("vllm:time_to_first_token_seconds_bucket", le="+Inf") == 12
+    # vLLM's buckets, and the same observations as the omni_ histograms (one mean gap per request)
+    assert "2560" in {labels.get("le") for labels, _ in after["vllm:time_to_first_token_seconds_bucket"]}
+    itl_sum = delta("vllm:inter_token_latency_seconds_sum")
+    assert itl_sum == pytest.approx(value(after, "omni_inter_token_latency_seconds_sum")
+                                    - value(before, "omni_inter_token_latency_seconds_sum"), rel=1e-6)
+    assert 0.001 < itl_sum / 12 < 2.0

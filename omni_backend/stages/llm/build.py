@@ -82,7 +82,7 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
                     matmuls=runner.matmuls, fallback_reason=runner.fallback_reason,
                     dtype=str(runner.dtype).removeprefix("torch."), dtype_reason=runner.dtype_reason)
         metrics = LLMMetrics(pb_utils, model, version, runner.attention_backend, str(runner.device.torch_device),
-                             info)
+                             info, engine_index)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)
     stop_grace_s = max(0.0, exit_timeout_s - STOP_MARGIN_S) if exit_timeout_s is not None else None
     operator_key = parent_operator_key() if pb_utils is not None else None

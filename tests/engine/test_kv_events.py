@@ -5,9 +5,8 @@ recorded or started while the `kv_events` setting is empty (the default)."""
 
 from __future__ import annotations
 
-import msgpack
 import pytest
-import zmq
+from helpers.kv_event_subscriber import receive, replay, subscriber, until_subscribed
 from helpers.list_sink import ListSink
 
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
@@ -42,20 +41,6 @@ def _wire(manager: BlockManager) -> list:
     return [event.wire() for event in manager.kv_events.take()]
 
 
-def _replay(held: set[int], events: list) -> set[int]:
-    """What a subscriber knows the cache holds after `events` (wire form); a removal of an unknown block fails."""
-    for event in events:
-        if event[0] == "BlockStored":
-            held |= set(event[1])
-        elif event[0] == "BlockRemoved":
-            assert set(event[1]) <= held, (event, held)
-            held -= set(event[1])
-        else:
-            assert event == ["AllBlocksCleared"]
-            held = set()
-    return held
-
-
 def _cached(manager: BlockManager) -> set[int]:
     return {external_hash(name) for name in manager._by_name}
 
@@ -72,7 +57,7 @@ def test_stored_evicted_and_cleared_blocks_are_events_that_replay_to_the_caches_
     h = [external_hash(n) for n in a.block_hashes]
     events = _wire(manager)
     assert events == [["BlockStored", h[:2], None, prompt[:32], BLOCK_SIZE, None, None, None]]
-    held = _replay(set(), events)
+    held = replay(set(), events)
     assert held == _cached(manager) and len(held) == 2
 
     # b shares block 0 (taken from the cache: no event) and stores its own block 1 under a's block 0
@@ -82,7 +67,7 @@ def test_stored_evicted_and_cleared_blocks_are_events_that_replay_to_the_caches_
     events = _wire(manager)
     assert events == [["BlockStored", [external_hash(b.block_hashes[1])], h[0], b_prompt[16:32], BLOCK_SIZE,
                        None, None, None]]
-    held = _replay(held, events)
+    held = replay(held, events)
     assert held == _cached(manager)
 
     # c computes a's content again while a holds it: its copies stay unnamed (no event) up to where it differs;
@@ -95,7 +80,7 @@ def test_stored_evicted_and_cleared_blocks_are_events_that_replay_to_the_caches_
     events = _wire(manager)
     assert events == [["BlockStored", [external_hash(c.block_hashes[2])], h[1], c_prompt[32:48], BLOCK_SIZE,
                        None, None, None]]
-    held = _replay(held, events)
+    held = replay(held, events)
     assert held == _cached(manager)
 
     # every block freed (named ones evictable), then a request that needs all ten: the named ones are evicted
@@ -108,17 +93,17 @@ def test_stored_evicted_and_cleared_blocks_are_events_that_replay_to_the_caches_
     events = _wire(manager)
     assert len(events) == 1 and events[0][0] == "BlockRemoved" and events[0][2] is None
     assert {external_hash(n) for n in named_before} == set(events[0][1])
-    held = _replay(held, events)
+    held = replay(held, events)
     assert held == _cached(manager) == set()
 
     d.num_computed_tokens = len(d)
     manager.register_computed_blocks(d)
-    held = _replay(held, _wire(manager))
+    held = replay(held, _wire(manager))
     assert held == _cached(manager) and len(held) == 10
     assert manager.reset_prefix_cache() == 10
     events = _wire(manager)
     assert events == [["AllBlocksCleared"]]
-    assert _replay(held, events) == _cached(manager) == set()
+    assert replay(held, events) == _cached(manager) == set()
 
 
 def test_nothing_is_recorded_by_default():
@@ -138,48 +123,19 @@ def test_each_data_parallel_rank_gets_its_own_endpoint():
         endpoint_for_rank("tcp://host", 1)
 
 
-def _subscriber(endpoint: str, bind: bool = False) -> zmq.Socket:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVTIMEO, 10_000)
-    (sub.bind if bind else sub.connect)(endpoint)
-    return sub
-
-
-def _receive(sub: zmq.Socket) -> tuple[bytes, int, list]:
-    """One message: (topic, sequence number, decoded [ts, events, rank])."""
-    topic, seq, payload = sub.recv_multipart()
-    assert len(seq) == 8
-    return topic, int.from_bytes(seq, "big"), msgpack.unpackb(payload)
-
-
-def _until_subscribed(sub: zmq.Socket, send) -> int:
-    """Call `send()` (which publishes one AllBlocksCleared batch) until the subscriber receives one: a PUB socket
-    drops what it sends before the subscription has reached it. Returns the received batch's sequence number."""
-    for _ in range(100):
-        send()
-        if sub.poll(100):
-            _, seq, (_, events, _) = _receive(sub)
-            assert events == [["AllBlocksCleared"]]
-            while sub.poll(100):  # the later tries that got through too
-                _, seq, _ = _receive(sub)
-            return seq
-    raise AssertionError("the subscriber never received a batch")
-
-
 def test_the_stream_sends_vllms_frames_with_increasing_sequence_numbers(tmp_path):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    sub = _subscriber(endpoint, bind=True)  # a host:port endpoint: the stream connects, as to llm-d's indexer
+    sub = subscriber(endpoint, bind=True)  # a host:port endpoint: the stream connects, as to llm-d's indexer
     stream = KVEventStream(endpoint, topic="kv@pod-1@tiny", data_parallel_rank=0)
     try:
-        last = _until_subscribed(sub, lambda: stream.publish([AllBlocksCleared()]))
+        last = until_subscribed(sub, lambda: stream.publish([AllBlocksCleared()]))
         manager = _manager(num_blocks=8)
         _computed(manager, "a", list(range(100, 140)))
         stream.publish(manager.kv_events.take())
         stream.publish([])  # an empty step sends nothing
         manager.reset_prefix_cache()
         stream.publish(manager.kv_events.take())
-        received = [_receive(sub) for _ in range(2)]
+        received = [receive(sub) for _ in range(2)]
         assert [seq for _, seq, _ in received] == [last + 1, last + 2]
         assert {topic for topic, _, _ in received} == {b"kv@pod-1@tiny"}
         (ts1, stored, rank1), (ts2, cleared, rank2) = (batch for _, _, batch in received)
@@ -203,7 +159,7 @@ def test_the_llm_stage_publishes_its_caches_events_when_the_setting_names_an_end
                               "num_kv_blocks": "8", "max_num_seqs": "4", "max_model_len": "128",
                               "kv_events": endpoint, "kv_events_topic": "kv@pod@tiny"})
     manager = service.engine.runner.block_manager
-    sub = _subscriber(endpoint)
+    sub = subscriber(endpoint)
     service.start()
     held, seqs, kinds = set(), [], set()
 
@@ -211,14 +167,14 @@ def test_the_llm_stage_publishes_its_caches_events_when_the_setting_names_an_end
         """Read batches until the replayed events say what the (idle) engine's cache holds."""
         nonlocal held
         while held != _cached(manager):
-            topic, seq, (_, events, rank) = _receive(sub)
+            topic, seq, (_, events, rank) = receive(sub)
             assert (topic, rank) == (b"kv@pod@tiny", 0)
             seqs.append(seq)
             kinds.update(event[0] for event in events)
-            held = _replay(held, events)
+            held = replay(held, events)
 
     try:
-        last = _until_subscribed(sub, lambda: service.reset_prefix_cache().result(10))
+        last = until_subscribed(sub, lambda: service.reset_prefix_cache().result(10))
         # 8 blocks of 16 tokens: each 70-token prompt (+4 generated) names 4 blocks; the second and third evict
         for i in range(3):
             sink = ListSink()

@@ -10,9 +10,10 @@ import tritonclient.grpc as grpcclient
 from helpers.chat_client import chat_messages, make_inputs
 
 
-def llm_inputs(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -> list:
-    """The llm model's inputs for a greedy request (`ignore_eos`: exactly max_tokens tokens), made by the server's
-    own preprocess stage: `prompt` as a user message (`chat`) or as plain text the model continues."""
+def preprocessed(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -> dict:
+    """The server's own preprocess stage's `input_ids` and `sampling_params` arrays for a greedy request
+    (`ignore_eos`: exactly max_tokens tokens): `prompt` as a user message (`chat`) or as plain text the model
+    continues."""
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
         result = client.infer("preprocess", make_inputs(
@@ -20,11 +21,20 @@ def llm_inputs(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -
              "stream": True, "ignore_eos": True}, grpcclient))
     finally:
         client.close()
+    return {name: result.as_numpy(name) for name in ("input_ids", "sampling_params")}
+
+
+def llm_inputs(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -> list:
+    """The llm model's inputs for `preprocessed(...)`'s greedy request."""
+    return as_llm_inputs(preprocessed(grpc_url, prompt, max_tokens, chat))
+
+
+def as_llm_inputs(arrays: dict) -> list:
+    """`preprocessed` arrays as the llm model's gRPC inputs."""
     inputs = []
     for name, datatype in (("input_ids", "INT32"), ("sampling_params", "BYTES")):
-        array = result.as_numpy(name)
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
+        tensor = grpcclient.InferInput(name, list(arrays[name].shape), datatype)
+        tensor.set_data_from_numpy(arrays[name])
         inputs.append(tensor)
     return inputs
 

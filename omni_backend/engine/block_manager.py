@@ -13,6 +13,7 @@ import torch
 
 from omni_backend.engine import prefix_cache
 from omni_backend.engine.device import Device, HostToDeviceStaging
+from omni_backend.engine.kv_events import KVEventRecorder
 from omni_backend.engine.sequence import Sequence
 
 
@@ -88,6 +89,8 @@ class BlockManager:
     Attributes:
         prefix_cache_queries: prompt tokens looked up in the cache at admission (tokens; counter).
         prefix_cache_hits: of those, tokens whose KV was reused (tokens; counter).
+        kv_events: where names given, evicted and cleared are recorded (engine/kv_events.py), None (the default)
+            until `record_kv_events`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, pool: BlockTablePool, enable_prefix_caching: bool = True):
@@ -102,6 +105,13 @@ class BlockManager:
         self._by_name: dict[bytes, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.kv_events: KVEventRecorder | None = None
+
+    def record_kv_events(self) -> KVEventRecorder:
+        """From now on, record every block named, evicted or cleared; returns the recorder."""
+        if self.kv_events is None:
+            self.kv_events = KVEventRecorder()
+        return self.kv_events
 
     @property
     def num_free_blocks(self) -> int:
@@ -188,6 +198,8 @@ class BlockManager:
             return self._free.popleft()
         block, _ = self._evictable.popitem(last=False)
         del self._by_name[self._names[block]]
+        if self.kv_events is not None:
+            self.kv_events.removed(self._names[block])
         self._names[block] = None
         return block
 
@@ -200,12 +212,28 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks:
             return
+        named = []
         for index in range(seq.num_registered_blocks, full):
             block, name = seq.block_table[index], prefix_cache.block_name(seq, index, self.block_size)
             if self._names[block] is None and name not in self._by_name:
                 self._names[block] = name
                 self._by_name[name] = block
+                named.append(index)
         seq.num_registered_blocks = full
+        if self.kv_events is not None and named:
+            self._record_stored(seq, named)
+
+    def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly named blocks of `seq` (a block whose name another block
+        already holds is not stored again, and breaks the run)."""
+        size, names = self.block_size, seq.block_hashes
+        start = 0
+        for end in range(1, len(indices) + 1):
+            if end == len(indices) or indices[end] != indices[end - 1] + 1:
+                first, last = indices[start], indices[end - 1]
+                self.kv_events.stored(names[first:last + 1], names[first - 1] if first else None,
+                                      seq.token_ids[first * size:(last + 1) * size], size)
+                start = end
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references to its blocks (last block first) and return its pool row. A block no longer
@@ -232,6 +260,8 @@ class BlockManager:
         self._evictable.clear()
         self._names = [None] * self.num_blocks
         self._by_name.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return dropped
 
     def slot(self, seq: Sequence, position: int) -> int:

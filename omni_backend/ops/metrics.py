@@ -30,6 +30,8 @@ loop and the response thread only append plain records, and `LLMService`'s metri
     omni_grammar_compile_seconds        histogram  time to compile one grammar (s), off the engine loop
     omni_oom_recoveries_total           counter    steps that ran out of device memory and were retried with
                                                    half the token budget (engine/scheduler.py)
+    omni_kv_events_dropped_total        counter    KV events not published because the stream's buffer was full
+                                                   (ops/kv_event_stream.py; 0 while the kv_events setting is off)
     omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
     omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
@@ -54,6 +56,9 @@ loop and the response thread only append plain records, and `LLMService`'s metri
 
 ITL is one observation per request (the mean gap between its tokens, genai-perf's definition) rather than
 one per token, which would cost an IPC call per token.
+
+The same snapshots also feed the load metrics under vLLM's names (`vllm:num_requests_waiting`, ...), labelled
+`model_name` and `engine` as vLLM's: ops/standard_metrics.py.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from omni_backend.ops.standard_metrics import StandardMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +91,14 @@ class FinishedRequest:
     ttft_s: float | None
     queue_s: float | None
 
+    @property
+    def mean_itl_s(self) -> float | None:
+        """Mean time between its tokens (s), genai-perf's ITL: (e2e - TTFT) / (completion tokens - 1); None for
+        fewer than two tokens or no first token."""
+        if self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
 
 @dataclass
 class LLMStats:
@@ -95,6 +110,7 @@ class LLMStats:
     kv_blocks_total: int = 0
     preemptions: int = 0
     oom_recoveries: int = 0
+    kv_events_dropped: int = 0
     graph_replays: int = 0
     graph_padded_rows: int = 0
     eager_steps: int = 0
@@ -123,10 +139,12 @@ class LLMMetrics:
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
             attention_reason, matmuls, fallback_reason, dtype and dtype_reason); None: the gauge is not published.
+        engine_index: the engine's index among the server's llm instances (its GPU's; 0 on a CPU), the `engine`
+            label of the vLLM-named metrics (ops/standard_metrics.py).
     """
 
     def __init__(self, pb_utils, model: str, version: str, attention_backend: str, device: str = "cpu",
-                 runtime_info: dict[str, str] | None = None):
+                 runtime_info: dict[str, str] | None = None, engine_index: int = 0):
         family = pb_utils.MetricFamily
         labels = {"model": model, "version": str(version), "device": device}
         self._families = []  # a MetricFamily must outlive its metrics
@@ -188,6 +206,9 @@ class LLMMetrics:
         self.temperature = metric("omni_gpu_temperature_celsius", "GPU temperature (C)", G)
         self.sm_clock = metric("omni_gpu_sm_clock_mhz", "GPU SM clock (MHz)", G)
         self.heartbeat = metric(HEARTBEAT, HEARTBEAT_DESCRIPTION, G)
+        self.kv_events_dropped = metric("omni_kv_events_dropped_total",
+                                        "KV events not published: the KV-event stream's buffer was full", C)
+        self.standard = StandardMetrics(pb_utils, model, str(engine_index))
         self._last = LLMStats()
 
     def publish(self, stats: LLMStats, now: float | None = None) -> None:
@@ -203,8 +224,10 @@ class LLMMetrics:
                 self.queue.observe(request.queue_s)
             if request.ttft_s is not None:
                 self.ttft.observe(request.ttft_s)
-                if request.completion_tokens > 1:
-                    self.itl.observe((request.e2e_s - request.ttft_s) / (request.completion_tokens - 1))
+            if request.mean_itl_s is not None:
+                self.itl.observe(request.mean_itl_s)
+        self.standard.publish(stats.running, stats.waiting, stats.kv_blocks_used, stats.kv_blocks_total,
+                              stats.finished)
         for seconds in stats.grammar_compile_s:
             self.grammar_compile.observe(seconds)
         last = self._last
@@ -215,6 +238,7 @@ class LLMMetrics:
                               (self.prefix_queries, stats.prefix_cache_queries - last.prefix_cache_queries),
                               (self.prefix_hits, stats.prefix_cache_hits - last.prefix_cache_hits),
                               (self.oom_recoveries, stats.oom_recoveries - last.oom_recoveries),
+                              (self.kv_events_dropped, stats.kv_events_dropped - last.kv_events_dropped),
                               (self.graph_steps, stats.graph_replays - last.graph_replays),
                               (self.eager_steps, stats.eager_steps - last.eager_steps),
                               (self.padded_rows, stats.graph_padded_rows - last.graph_padded_rows)):

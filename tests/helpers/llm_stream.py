@@ -28,8 +28,12 @@ def preprocessed(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True)
 
 
 def llm_inputs(grpc_url: str, prompt: str, max_tokens: int, chat: bool = True) -> list:
-    """The llm model's inputs for `preprocessed`'s request."""
-    arrays = preprocessed(grpc_url, prompt, max_tokens, chat)
+    """The llm model's inputs for `preprocessed(...)`'s greedy request."""
+    return as_llm_inputs(preprocessed(grpc_url, prompt, max_tokens, chat))
+
+
+def as_llm_inputs(arrays: dict) -> list:
+    """`preprocessed` arrays as the llm model's gRPC inputs."""
     inputs = []
     for name, datatype in LLM_INPUTS:
         tensor = grpcclient.InferInput(name, list(arrays[name].shape), datatype)

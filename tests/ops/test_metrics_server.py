@@ -13,13 +13,18 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
-from helpers.chat_client import chat_messages, http_generate, stream_infer
+import tritonclient.grpc as grpcclient
+from helpers.chat_client import chat_messages, http_generate, stream_infer, stream_inputs
+from helpers.kv_event_subscriber import receive, subscriber, until_subscribed
+from helpers.llm_stream import as_llm_inputs, preprocessed
 
 from omni_backend.ops.hardware import cpu_has_native_bf16
 from omni_backend.ops.metrics import admitting, parse_metrics
 from omni_backend.vocabulary import ErrorKind, StageError
 from omni_backend.ops.ready import check
+from omni_backend.operator_key import ADMIN_KEY_HEADER
 
 pytestmark = pytest.mark.server
 
@@ -208,3 +213,96 @@ def test_critical_temperature_turns_new_requests_away_while_running_ones_finish(
     assert check(server.http_url, server.metrics_url) == (True, "ok")
     status, body = http_generate(server.http_url, {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True})
     assert status == 200 and body["completion_tokens"] == 4, body
+
+
+STANDARD = {"model_name": "llm", "engine": "0"}  # vLLM's labels: the model its clients address, the engine index
+
+
+def standard(samples: dict, name: str, **labels) -> float:
+    """The one sample of a vLLM-named family with STANDARD labels (and `labels`); 0 when absent."""
+    found = [v for got, v in samples.get(name, []) if {**STANDARD, **labels}.items() <= got.items()]
+    assert len(found) <= 1, (name, found)
+    return found[0] if found else 0.0
+
+
+def test_the_standard_gauges_follow_the_queue(governed_server):
+    """12 requests at once on an engine of 8 sequences per step: vllm:num_requests_running shows the 8, waiting the
+    rest, kv_cache_usage_perc the blocks they hold (the omni_ gauges of the same snapshot); all go back to 0 after,
+    and the histograms get one TTFT and one ITL observation per request, the omni_ histograms' own."""
+    server = governed_server
+    before = scrape(server)
+    results = [{} for _ in range(12)]
+    # 96 tokens each: about 4 s of steps for the first 8 on the 2-core CI machine, so a scrape sees 4 waiting
+    threads = [threading.Thread(target=lambda i=i, r=r: r.update(r=stream_infer(server.grpc_url, {
+        "text_input": f"Count to {i}:", "max_tokens": 96, "ignore_eos": True, "stream": True, "temperature": 0})))
+        for i, r in enumerate(results)]
+    for thread in threads:
+        thread.start()
+
+    def queued(s):
+        used, total = value(s, "omni_kv_cache_blocks_used"), value(s, "omni_kv_cache_blocks_total")
+        return (standard(s, "vllm:num_requests_running") == 8 and standard(s, "vllm:num_requests_waiting") == 4
+                and value(s, "omni_requests_waiting") == 4 and used > 0
+                and standard(s, "vllm:kv_cache_usage_perc") == pytest.approx(used / total, abs=1e-9))
+
+    during = scrape_until(server, queued, "8 running and 4 waiting on the standard gauges")
+    assert 0 < standard(during, "vllm:kv_cache_usage_perc") < 1
+    for thread in threads:
+        thread.join(180)
+    assert all(r["r"].error is None and r["r"].last("completion_tokens") == 96 for r in results)
+    # a request of an earlier test may be published after `before`: compare with the omni_ histograms, which get
+    # the same observations in the same publication (the omni_ ones first)
+    delta = lambda s, name, of=standard, **labels: of(s, name, **labels) - of(before, name, **labels)  # noqa: E731
+    after = scrape_until(server, lambda s: delta(s, "vllm:time_to_first_token_seconds_count") >= 12 and delta(
+        s, "vllm:time_to_first_token_seconds_count") == delta(s, "omni_time_to_first_token_seconds_count", value),
+        "the 12 requests' TTFTs published")
+    assert standard(after, "vllm:num_requests_running") == standard(after, "vllm:num_requests_waiting") == 0
+    assert standard(after, "vllm:kv_cache_usage_perc") == 0
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        for part in ("_count", "_sum"):
+            assert delta(after, f"vllm:{name}{part}") == pytest.approx(delta(after, f"omni_{name}{part}", value),
+                                                                       rel=1e-6), name + part
+    assert delta(after, "vllm:time_to_first_token_seconds_bucket", le="+Inf") == delta(
+        after, "vllm:time_to_first_token_seconds_count")
+    # vLLM's buckets
+    assert "2560" in {labels.get("le") for labels, _ in after["vllm:time_to_first_token_seconds_bucket"]}
+    itl_sum, itl_count = (delta(after, f"vllm:inter_token_latency_seconds{part}") for part in ("_sum", "_count"))
+    assert 0.001 < itl_sum / itl_count < 2.0
+
+
+def test_the_llm_stage_publishes_its_kv_events_on_the_endpoint_of_its_setting(governed_server):
+    """The kv_events setting rendered into the llm model's config: a request's computed full blocks arrive as
+    BlockStored events with its token ids, and an operator's reset as AllBlocksCleared."""
+    server = governed_server
+    reset = grpcclient.InferInput("reset_prefix_cache", [1], "BOOL")
+    reset.set_data_from_numpy(np.array([True]))
+
+    def reset_cache():
+        done = stream_inputs(server.grpc_url, [reset], "llm", parameters={ADMIN_KEY_HEADER: server.admin_key})
+        assert done.error is None, done.error
+
+    sub = subscriber(server.kv_events)
+    try:
+        last = until_subscribed(sub, reset_cache)
+        arrays = preprocessed(server.grpc_url, f"KV events {time.time()}: count to twenty, one word each.", 4,
+                              chat=False)
+        result = stream_inputs(server.grpc_url, as_llm_inputs(arrays), "llm")
+        assert result.error is None, result.error
+        prompt = arrays["input_ids"].tolist()
+        # prompt + 4 tokens, the last never computed: its full blocks of 16 are named
+        blocks = (len(prompt) + 3) // 16
+        stored, seqs = [], []
+        while sum(len(event[1]) for event in stored) < blocks:
+            topic, seq, (_, events, rank) = receive(sub)
+            assert (topic, rank) == (b"", 0)
+            seqs.append(seq)
+            stored += [event for event in events if event[0] == "BlockStored"]
+        assert stored[0][2] is None and all(event[4] == 16 for event in stored)  # the first block has no parent
+        tokens = [t for event in stored for t in event[3]]
+        assert len(tokens) == 16 * blocks and tokens[:len(prompt)] == prompt[:len(tokens)]
+        reset_cache()
+        topic, seq, (_, events, _) = receive(sub)
+        assert events == [["AllBlocksCleared"]]
+        assert seqs + [seq] == list(range(last + 1, seq + 1))
+    finally:
+        sub.close(linger=0)

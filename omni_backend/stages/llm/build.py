@@ -57,10 +57,13 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     the engine sizes its KV cache in. A CPU engine gets `cpu_threads` torch threads, 0 meaning the usable cores
     minus one (`ops.hardware.cpu_engine_threads`). With `pb_utils` (in a stub process) the operator's key for
     prefix cache resets and the stop probe are the parent tritonserver's (`server_probe`), and cancels by key are
-    shared with the server's other llm instances (`cancel_board`).
+    shared with the server's other llm instances (`cancel_board`). With the `kv_events` setting the prefix cache's
+    events go out on that ZMQ endpoint (ops/kv_event_stream.py), data-parallel rank = the engine's GPU index (0
+    on a CPU).
 
     Raises:
-        ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises.
+        ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises;
+            zmq.ZMQError: a `kv_events` endpoint that cannot be bound or connected.
     """
     parsed = parse_parameters(parameters, instance_kind, instance_device_id)
     config = parsed.engine
@@ -69,6 +72,7 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     apply_gpu_memory_budget(config.device, config.gpu_memory_utilization, model)
     engine = build_engine_on_a_passing_thread(config)
     governor = Governor.for_device(config.torch_device, config.max_num_seqs, parsed.governor)
+    engine_index = config.torch_device.index or 0  # among the server's llm instances: one per GPU, or one CPU
     metrics = None
     if pb_utils is not None:
         runner = engine.runner
@@ -78,10 +82,15 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
                     matmuls=runner.matmuls, fallback_reason=runner.fallback_reason,
                     dtype=str(runner.dtype).removeprefix("torch."), dtype_reason=runner.dtype_reason)
         metrics = LLMMetrics(pb_utils, model, version, runner.attention_backend, str(runner.device.torch_device),
-                             info)
+                             info, engine_index)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)
     stop_grace_s = max(0.0, exit_timeout_s - STOP_MARGIN_S) if exit_timeout_s is not None else None
     operator_key = parent_operator_key() if pb_utils is not None else None
     board = CancelBoard(shared_folder()) if pb_utils is not None else None
+    kv_events = None
+    if parsed.stage.kv_events:  # imports pyzmq and msgpack only for those who ask
+        from omni_backend.ops.kv_event_stream import KVEventStream
+
+        kv_events = KVEventStream(parsed.stage.kv_events, parsed.stage.kv_events_topic, engine_index)
     return LLMService(engine, governor, metrics, metrics_interval_s, parsed.stage.max_queued_requests, probe,
-                      stop_grace_s, operator_key, board)
+                      stop_grace_s, operator_key, board, kv_events)

@@ -5,7 +5,8 @@ role of vLLM v1's `EngineCore` busy loop: messages in (`messages.py`), `(request
 pairs out to `outbox`, and nothing else; who sends the outputs where is `outputs.OutputRouter`'s business.
 
 The power/temperature governor (omni_backend/ops/governor.py) is consulted once per iteration: it sets the
-scheduler's sequences-per-step limit. A step or an iteration that fails ends the requests in flight with an
+scheduler's sequences-per-step limit. With a KV-event stream (ops/kv_event_stream.py), the prefix cache's events of
+each iteration are handed to it at the iteration's end, as one batch. A step or an iteration that fails ends the requests in flight with an
 INTERNAL error and the loop goes on, so one fault never hangs every client.
 """
 
@@ -15,12 +16,16 @@ import logging
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.ops.governor import Governor
 from omni_backend.stages.llm.loop import BackgroundLoop, drained
 from omni_backend.stages.llm.messages import AbortRequest, AddRequest, ExtendInputs, InboxMessage, ResetPrefixCache
 from omni_backend.vocabulary import BY_PARAM, ErrorKind, StageError
+
+if TYPE_CHECKING:  # imported by build.py only when the kv_events setting asks for it (pyzmq, msgpack)
+    from omni_backend.ops.kv_event_stream import KVEventStream
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +38,19 @@ class EngineCore(BackgroundLoop):
     Args:
         engine: the engine.
         governor: power/temperature governor of the engine's GPU (None: never limits).
+        kv_events: where the block manager's KV events go (None: the block manager records none).
 
     Attributes:
         outbox: `(request id, RequestOutput | StageError)` in the order the loop produced them.
         last_iteration: `time.monotonic()` when the loop last began an iteration (for the stage's heartbeat).
     """
 
-    def __init__(self, engine: LLMEngine, governor: Governor | None = None):
+    def __init__(self, engine: LLMEngine, governor: Governor | None = None, kv_events: KVEventStream | None = None):
         super().__init__("llm-engine-loop")
         self.engine = engine
         self.governor = governor
+        self.kv_events = kv_events
+        self._kv_recorder = engine.runner.block_manager.record_kv_events() if kv_events is not None else None
         self.outbox: queue.SimpleQueue[tuple[str, RequestOutput | StageError]] = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -67,10 +75,18 @@ class EngineCore(BackgroundLoop):
 
     def run_once(self) -> None:
         """One iteration: governor, inbox, one engine step (or a wait of up to IDLE_WAIT_S when idle, or when every
-        request held waits for input rows: `LLMEngine.stalled`; a message ends the wait).
+        request held waits for input rows: `LLMEngine.stalled`; a message ends the wait), then the iteration's KV
+        events to the stream.
 
         The loop thread calls it; tests call it directly on a core that was not started.
         """
+        try:
+            self._step_once()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.publish(self._kv_recorder.take())
+
+    def _step_once(self) -> None:
         engine = self.engine
         if self.governor is not None and self.governor.enabled:
             limit = self.governor.tick(time.monotonic())

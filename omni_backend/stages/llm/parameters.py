@@ -25,6 +25,12 @@ class LLMStageSettings(SettingGroup):
     max_queued_requests: int = setting(256, "requests the llm stage holds beyond max_num_seqs, waiting to run; one "
                                        "more is refused at once with UNAVAILABLE \"waiting queue is full ... retry "
                                        "later\" (the front door: 429 + Retry-After); 0: no limit", low=0)
+    kv_events: str = setting("", "publish the prefix cache's KV events as vLLM's ZMQ stream on this endpoint "
+                             "(tcp://*:PORT binds, tcp://HOST:PORT connects; engine N of a server: PORT + N); "
+                             "empty: off", pattern=r"(tcp://\S+:\d+|(ipc|inproc)://\S+)?",
+                             forms="empty, or a ZMQ endpoint tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    kv_events_topic: str = setting("", "the topic frame of every KV-event message (llm-d's indexer reads "
+                                   "kv@POD@MODEL); empty: none, as vLLM's default")
 
 
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (

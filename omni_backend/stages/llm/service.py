@@ -28,7 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
@@ -43,6 +43,9 @@ from omni_backend.stages.llm.outputs import OutputRouter, ResponseSink
 from omni_backend.stages.llm.server_probe import check_operator_key
 from omni_backend.stages.llm.stop_watch import StopWatch
 from omni_backend.vocabulary import ErrorKind, StageError
+
+if TYPE_CHECKING:  # imported by build.py only when the kv_events setting asks for it (pyzmq, msgpack)
+    from omni_backend.ops.kv_event_stream import KVEventStream
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class LLMService:
             None: nobody may reset through it.
         cancel_board: where cancels by key that found no request wait (`cancel_board.CancelBoard`; default: this
             process only).
+        kv_events: the stream the engine loop hands the prefix cache's KV events to (ops/kv_event_stream.py),
+            closed by `shutdown`; None: no events are recorded.
 
     Attributes:
         core: the engine loop; router: the response thread; stop_watch: the stop watch, or None.
@@ -95,10 +100,11 @@ class LLMService:
     def __init__(self, engine: LLMEngine, governor: Governor | None = None, metrics: LLMMetrics | None = None,
                  metrics_interval_s: float = 1.0, max_queued_requests: int = 0,
                  stopping: Callable[[], bool] | None = None, stop_grace_s: float | None = None,
-                 operator_key: str | None = None, cancel_board: CancelBoard | None = None):
+                 operator_key: str | None = None, cancel_board: CancelBoard | None = None,
+                 kv_events: KVEventStream | None = None):
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
-        self.core = EngineCore(engine, governor)
+        self.core = EngineCore(engine, governor, kv_events)
         self.router = OutputRouter(self.core.outbox, self.abort, note_finished=metrics is not None,
                                    board=cancel_board)
         self.stop_watch = StopWatch(stopping, stop_grace_s, self.router.held, self.abort) \
@@ -216,6 +222,7 @@ class LLMService:
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             preemptions=scheduler.num_preemptions, oom_recoveries=engine.num_oom_recoveries,
+            kv_events_dropped=self.core.kv_events.num_dropped_events if self.core.kv_events is not None else 0,
             graph_replays=graphs.num_replays if graphs else 0,
             graph_padded_rows=graphs.num_padded_rows if graphs else 0,
             eager_steps=runner.num_eager_steps,
@@ -254,6 +261,8 @@ class LLMService:
         self.core.engine.close()  # its other tensor-parallel ranks, if any: the loop has stopped
         self.router.fail_all(StageError(ErrorKind.UNAVAILABLE, "server is shutting down"))
         self.router.board.close()
+        if self.core.kv_events is not None:
+            self.core.kv_events.close()
 
 
 class _MetricsLoop(BackgroundLoop):

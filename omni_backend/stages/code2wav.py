@@ -8,7 +8,9 @@ sample per `hop` = product of its upsample rates, 240 in the released model: 24 
 This module decides what runs together:
 
     blocks     the DiT attends within blocks of `block_size` mel frames (some layers one block back or ahead)
-    chunk      `chunk_blocks` blocks of codec frames, computed once `future_blocks` blocks of codes after it are
+    chunk      `chunk_blocks` blocks of codec frames (doubling with each chunk of the answer up to
+               `max_chunk_blocks`: each window recomputes its look-back and look-ahead, so later chunks are made
+               larger, the first small), computed once `future_blocks` blocks of codes after it are
                known (at least the codes of the vocoder's right context; or the answer ended), inside a window of up
                to `past_blocks` blocks before it and as many codes after it; windows start on block boundaries, so
                their blocks are the utterance's
@@ -54,6 +56,9 @@ class Code2WavSettings(SettingGroup):
 
     chunk_blocks: int = setting(2, "DiT blocks of codec frames per streamed chunk (a block is 24 mel frames, 0.24 s of "
                                 "speech, in the released model)", low=1)
+    max_chunk_blocks: int = setting(4, "an answer's chunks double in size from chunk_blocks up to this many blocks: "
+                                    "the first stays small for the time to first audio, later ones recompute less "
+                                    "(a window computes past_blocks + future_blocks blocks beyond its chunk)", low=1)
     past_blocks: int = setting(1, "blocks of codes before a chunk its window also computes", low=0)
     future_blocks: int = setting(1, "blocks of codes after a chunk its window also computes (a chunk waits for them; "
                                  "at least the codes of vocoder_context are waited for)", low=0)
@@ -239,12 +244,18 @@ class Code2Wav:
         count, start = len(answer.codes), answer.sent
         if answer.finished and start >= count:  # the last chunk went before the answer was known to end
             return _Window(answer, request_id, count, count, count, count)
-        end = start + self.settings.chunk_blocks * self.block
+        end = start + self._chunk_blocks(answer.chunks) * self.block
         if not answer.finished and count < end + self.ahead:
             return None
         end = min(end, count)
         return _Window(answer, request_id, max(0, start - self.settings.past_blocks * self.block),
                        min(count, end + self.ahead), start, end)
+
+    def _chunk_blocks(self, index: int) -> int:
+        """Blocks of an answer's chunk `index`: chunk_blocks doubled per chunk, up to max_chunk_blocks (never fewer
+        than chunk_blocks)."""
+        first = self.settings.chunk_blocks
+        return max(first, min(self.settings.max_chunk_blocks, first << min(index, 16)))
 
     @torch.no_grad()
     def _mel(self, windows: list[_Window]) -> list[torch.Tensor]:

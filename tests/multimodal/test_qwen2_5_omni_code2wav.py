@@ -109,3 +109,15 @@ def test_past_max_batch_answers_take_turns(folder):
         order += [(c.request_id, c.index, c.final) for c in code2wav.step()]
     assert order == [("a", 0, False), ("b", 0, False), ("a", 1, True), ("b", 1, True)]
     assert code2wav.batch_sizes == {1: 4}
+
+
+def test_chunks_double_in_size_up_to_max_chunk_blocks(folder):
+    """An answer of 9 blocks in chunks of 1, 2, 4, then the 2 blocks left (the first small for the time to first
+    audio, later ones larger: each window recomputes its look-back and look-ahead)."""
+    code2wav = Code2Wav(folder, Code2WavSettings(chunk_blocks=1, max_chunk_blocks=4, num_steps=2))
+    code2wav.start("a", "Chelsie", 0)
+    code2wav.add("a", list(range(9 * code2wav.block)), finished=True)
+    sizes = []
+    while code2wav.has_work():
+        sizes += [c.audio.numel() // (code2wav.block * code2wav.repeats * code2wav.hop) for c in code2wav.step()]
+    assert sizes == [1, 2, 4, 2]

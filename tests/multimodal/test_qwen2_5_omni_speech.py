@@ -120,18 +120,23 @@ def omni(folder):
     return model
 
 
+def padded(inputs: dict) -> dict:
+    """transformers' inputs left-padded by one masked token (`transformers_speech` says why)."""
+    pad = torch.zeros_like(inputs["input_ids"][:, :1])
+    return dict(inputs, input_ids=torch.cat([pad, inputs["input_ids"]], dim=1),
+                attention_mask=torch.cat([pad, inputs["attention_mask"]], dim=1))
+
+
 def transformers_speech(omni, inputs, voice: str) -> tuple[list[int], list[int], torch.Tensor]:
     """`generate`'s greedy reply, its greedy talker's codec ids (up to the first stop id) and its waveform.
 
-    The prompt goes in left-padded by one masked token. transformers 5 drops an attention mask of all ones before
+    The prompt goes in left-padded by one masked token (`padded`). transformers 5 drops an attention mask of all ones before
     the first forward pass (generation/utils.py, "We can drop the mask altogether if it's all 1s"), and the talker's
     forward adds the codec pad and bos embeddings to its last two prompt rows and gives its prompt the thinker's
     M-RoPE ids only when it gets a mask; so an unpadded single prompt would meet a talker without them, unlike the
     talker as released (transformers 4.5x always passed the mask) and unlike a padded batch. The masked token
     changes nothing else: it is left out of attention, and position ids count from the first real token."""
-    pad = torch.zeros_like(inputs["input_ids"][:, :1])
-    inputs = dict(inputs, input_ids=torch.cat([pad, inputs["input_ids"]], dim=1),
-                  attention_mask=torch.cat([pad, inputs["attention_mask"]], dim=1))
+    inputs = padded(inputs)
     with torch.no_grad():
         torch.manual_seed(SEED)
         text, wav = omni.generate(**inputs, speaker=voice, thinker_max_new_tokens=REPLY, thinker_do_sample=False,

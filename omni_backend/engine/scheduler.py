@@ -47,11 +47,12 @@ Bounds (tokens and steps):
 - A prefilling sequence whose remaining prompt p is at most R // K tokens computes all of it in the step: the
   oldest is given at most R // K first and every sequence served before it in shortest-first order has at most
   p tokens left, so at most R // K + (K - 2) * p <= R - p tokens go before it. So a short request is admitted in
-  the first step after its arrival when its blocks fit with the watermark, a slot is free, no waiting
-  sequence ahead of it has stopped overtaking (3.) and no running prefill is computing its next block (2.), and
-  its first token is sampled in that same step when its prompt is at most R // K tokens. At full budget R >= max_num_batched_tokens - max_num_seqs + 1 and
-  K <= max_num_seqs: with the defaults (1024, 32) every prompt of up to 31 tokens; beside six long prompts
-  prefilling (K = 7) in a 1024-token budget, every prompt of up to 146 tokens.
+  the first step after its arrival when its blocks fit with the watermark, a slot is free, no waiting sequence
+  ahead of it has stopped overtaking (3.) and no running prefill is computing its next block (2.), and its first
+  token is sampled in that same step when its prompt is at most R // K tokens. At full budget
+  R >= max_num_batched_tokens - max_num_seqs + 1 and K <= max_num_seqs: with the defaults (1024, 32) every prompt
+  of up to 31 tokens; beside six long prompts prefilling (K = 7) in a 1024-token budget, every prompt of up to 146
+  tokens.
 - No prompt starves in prefill: while R >= K, the earliest arrival among the prefilling sequences computes at
   least min(remaining, R // K) >= 1 tokens each step, so each prefill ends; a waiting sequence that fits in
   blocks but gets no budget is passed only by shorter prompts. A sequence waiting for blocks in flight waits for

@@ -204,7 +204,7 @@ def test_block_accounting_returns_to_baseline_after_preemptions_and_aborts():
     assert manager.num_cached_blocks > 0
 
 
-# --- a prefix being computed: later requests wait for it instead of computing it again ---------------------------------
+# --- a prefix being computed: later requests wait for it instead of computing it again --------------------------------
 
 SHARED = list(range(100, 164))  # 4 full blocks
 

@@ -17,7 +17,9 @@ then reported as fractions of their bounds: batch 1 against the bandwidth bound 
 projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache reads at these
 contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul weights FLOP per
 token / the peak of the instruction the variant multiplies with: FMA for float32 and int8, AMX where the CPU has it
-else vdpbf16ps for bfloat16). Attention, norms and sampling count as overhead, so 100 % is out of reach.
+else vdpbf16ps for bfloat16). A prefill computes the LM head for its last token only, so its FLOP are 2 x the
+layers' weights per token plus 2 x the head's once; its rate is also reported in GFLOP/s. Attention, norms and
+sampling count as overhead, so 100 % is out of reach.
 
 Each round builds each variant's engine (1 torch thread unless --threads), fills it with `batch` prompts of
 --prompt-tokens tokens, and times --steps decode steps (the median step is reported) and one prefill of
@@ -111,11 +113,13 @@ def machine_limits(threads: int) -> dict:
             **{f"peak_{name}_flops": limits.peak_flops(name) for name in ("fma_f32", "dot_bf16", "amx_bf16")}}
 
 
-def fractions(variant: str, row: dict, limits: dict, hf_config) -> dict:
-    """The row's decode steps and prefill as fractions of their bounds (see the module docstring)."""
+def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int) -> dict:
+    """The row's decode steps and prefill (of `prefill_tokens` tokens) as fractions of their bounds, and the prefill's
+    GFLOP/s (see the module docstring)."""
     shape = LayerShape.of(hf_config)
-    weights = hf_config.num_hidden_layers * sum(n * k for n, k in shape.weights()) + \
-        hf_config.vocab_size * hf_config.hidden_size
+    head = hf_config.vocab_size * hf_config.hidden_size
+    layers = hf_config.num_hidden_layers * sum(n * k for n, k in shape.weights())
+    weights = layers + head
     if variant.endswith("bfloat16"):
         peak = limits["peak_amx_bf16_flops"] or limits["peak_dot_bf16_flops"]
     else:
@@ -127,8 +131,10 @@ def fractions(variant: str, row: dict, limits: dict, hf_config) -> dict:
             row["decode_ms_b1"]
     if "decode_ms_b32" in row and peak:
         out["b32_of_compute_bound"] = 32 * flop_per_token / peak * 1e3 / row["decode_ms_b32"]
+    prefill_flop_s = row["prefill_tok_s"] * 2 * (layers + head / prefill_tokens)
+    out["prefill_gflop_s"] = prefill_flop_s / 1e9
     if peak:
-        out["prefill_of_compute_bound"] = row["prefill_tok_s"] * flop_per_token / peak
+        out["prefill_of_compute_bound"] = prefill_flop_s / peak
     return out
 
 
@@ -178,10 +184,12 @@ def main() -> None:
                 f"{k} {base[k] / row[k] if k.startswith('decode') else row[k] / base[k]:.2f}x" for k in keys)
         print(f"{variant:16s} " + " ".join(f"{k} {row[k]:.1f}" for k in keys) + ratios)
     limits = {k: max(rd[k] for rd in measured_limits) for k in measured_limits[0]}  # the best each round saw
-    bounds = {variant: fractions(variant, row, limits, hf_config) for variant, row in medians.items()}
+    bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens)
+              for variant, row in medians.items()}
     print("\nfractions of the bounds (batch 1: bandwidth; batch 32 and prefill: compute):")
     for variant, row in bounds.items():
-        print(f"{variant:16s} " + " ".join(f"{k} {v:.0%}" for k, v in row.items() if k.endswith("bound")))
+        print(f"{variant:16s} " + " ".join(f"{k} {v:.0%}" for k, v in row.items() if k.endswith("bound"))
+              + f" prefill {row['prefill_gflop_s']:.1f} GFLOP/s")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / args.output
     out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "note": args.note,

@@ -74,6 +74,12 @@ class BlockManager:
     is always computed, so its first logits exist. Shared blocks are never written: a sequence writes only the
     positions at and after its computed tokens, which lie past every block it took from the cache.
 
+    A block being computed right now -- a full block of a running sequence's known tokens, past its cached prefix,
+    whose prefill has not reached its end -- is *in flight* under the name it will be offered under (`in_flight`): a
+    waiting sequence whose next block has that name can wait for it and then take it from the cache instead of
+    computing the same KV again (the scheduler decides, scheduler.py 2.). A block leaves flight when it is offered
+    to the cache or its sequence is freed (finished, aborted or preempted before computing it).
+
     A block whose last reference goes away keeps its KV and its name and becomes evictable; it still counts as
     free. A new block comes from the never-named free blocks first, then from the evictable ones, least recently
     freed first (LRU; a sequence's blocks are released last block first, so a prefix's tail goes before its head).
@@ -103,6 +109,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._names: list[bytes | None] = [None] * num_blocks
         self._by_name: dict[bytes, int] = {}
+        self._in_flight: dict[bytes, int] = {}  # name -> the block a running sequence is computing under it
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.kv_events: KVEventRecorder | None = None
@@ -135,18 +142,30 @@ class BlockManager:
         blocks with cached names, short of its last token (which is always computed). Empty when caching is off
         or the sequence asks for prompt logprobs (they are read from the prefill's hidden states); a sequence that
         returns its hidden states starts only from blocks whose rows it has already recorded (a preempted one)."""
-        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
-            return []
-        usable = (len(seq) - 1) // self.block_size
-        if seq.params.return_hidden_states:
-            usable = min(usable, seq.num_hidden_rows // self.block_size)
         blocks = []
-        for index in range(usable):
+        for index in range(self._reusable_blocks(seq)):
             block = self._by_name.get(prefix_cache.block_name(seq, index, self.block_size))
             if block is None:
                 break
             blocks.append(block)
         return blocks
+
+    def in_flight(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether the block that waiting `seq` would take right after its `cached` prefix (`cached_prefix`) is in
+        flight: being computed now by a running sequence, so that `seq` could take it from the cache once it is.
+        False where `seq` could not reuse that block anyway (the same rules as `cached_prefix`)."""
+        index = len(cached)
+        return index < self._reusable_blocks(seq) and \
+            prefix_cache.block_name(seq, index, self.block_size) in self._in_flight
+
+    def _reusable_blocks(self, seq: Sequence) -> int:
+        """How many leading full blocks of waiting `seq` may come from the cache (`cached_prefix`'s rules)."""
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return 0
+        usable = (len(seq) - 1) // self.block_size
+        if seq.params.return_hidden_states:
+            usable = min(usable, seq.num_hidden_rows // self.block_size)
+        return usable
 
     def blocks_to_admit(self, seq: Sequence, num_tokens: int, cached: list[int]) -> int:
         """Free blocks that admitting waiting `seq` for `num_tokens` tokens takes when it starts with the `cached`
@@ -157,7 +176,8 @@ class BlockManager:
         """Grow `seq`'s block table to hold `num_tokens` tokens, writing new entries into its pool row.
 
         `cached` (only for a sequence holding no blocks: its `cached_prefix`) become its first blocks, shared, and
-        its computed tokens start after them; the lookup is counted in the prefix-cache counters.
+        its computed tokens start after them; the lookup is counted in the prefix-cache counters, and the full blocks
+        of its known tokens after them are in flight (class docstring) until computed.
 
         Raises:
             RuntimeError: not enough free blocks (callers check `can_allocate`/`blocks_to_admit` first) or no
@@ -169,7 +189,8 @@ class BlockManager:
             raise RuntimeError(f"need {taken} KV blocks, {self.num_free_blocks} free")
         if seq.pool_row is None:
             seq.pool_row = self.pool.acquire_row()
-        if not seq.block_table:  # admission
+        admission = not seq.block_table
+        if admission:
             if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 self.prefix_cache_queries += len(seq)
                 self.prefix_cache_hits += len(cached) * self.block_size
@@ -187,6 +208,23 @@ class BlockManager:
             block = self._take_free_block()
             self._ref_counts[block] = 1
             self._append(seq, block)
+        if admission and self.enable_prefix_caching:
+            self._take_flight(seq, len(cached))
+
+    def _take_flight(self, seq: Sequence, start: int) -> None:
+        """Put admitted `seq`'s full blocks of known tokens from `start` in flight, except those whose name is
+        cached or already in flight for another block (this copy will not be named: `register_computed_blocks`)."""
+        for index in range(start, len(seq) // self.block_size):
+            name = prefix_cache.block_name(seq, index, self.block_size)
+            if name not in self._by_name and name not in self._in_flight:
+                self._in_flight[name] = seq.block_table[index]
+
+    def _land(self, seq: Sequence, index: int) -> None:
+        """Take `seq`'s block `index` out of flight (computed or dropped), if it is the one in flight."""
+        if index < len(seq.block_hashes):
+            name = seq.block_hashes[index]
+            if self._in_flight.get(name) == seq.block_table[index]:
+                del self._in_flight[name]
 
     def _append(self, seq: Sequence, block: int) -> None:
         self.pool.append(seq.pool_row, len(seq.block_table), block)
@@ -215,6 +253,7 @@ class BlockManager:
         named = []
         for index in range(seq.num_registered_blocks, full):
             block, name = seq.block_table[index], prefix_cache.block_name(seq, index, self.block_size)
+            self._land(seq, index)
             if self._names[block] is None and name not in self._by_name:
                 self._names[block] = name
                 self._by_name[name] = block
@@ -237,7 +276,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references to its blocks (last block first) and return its pool row. A block no longer
-        referenced is evictable when named, else free."""
+        referenced is evictable when named, else free; its blocks in flight land uncomputed."""
+        for index in range(seq.num_registered_blocks, len(seq.block_table)):
+            self._land(seq, index)
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:

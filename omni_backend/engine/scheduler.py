@@ -23,7 +23,15 @@ Each step, in this order:
    the same step may still take that token, and it gets its share in a later step. With prefix caching, the
    leading full blocks of its tokens already in the cache (`BlockManager.cached_prefix`) become its first blocks
    and its prefill starts after them: they count against the free blocks only when they are evictable (free
-   until taken), and its remaining prompt is what the prefill budget sees.
+   until taken), and its remaining prompt is what the prefill budget sees. A waiting sequence whose next block
+   after its cached prefix is being computed right now by a running sequence's prefill (in flight: the same
+   chained name, `BlockManager.in_flight`) is not admitted: it waits until that prefill has computed and cached
+   the blocks they share and then starts with them, so a burst of requests sharing an uncached prefix (a cold
+   system prompt) computes it once, not once per request. The idea is SGLang's cache-aware scheduling over its
+   radix tree (Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", NeurIPS 2024).
+   Such a sequence holds no slot or block and never stops the queue (3.): the ones behind it are admitted within
+   the same budget. It waits only while a running sequence makes progress on its prefix: when that sequence is
+   preempted or ends before computing the shared blocks, they leave flight and it computes them itself.
 3. **Overtaking, with aging.** A waiting sequence that does not fit does not stop the queue: the ones behind
    it that fit are admitted, but only while it would not fit even if every running sequence that arrived after
    it gave its blocks back. Once it would, nothing behind it is admitted until it is, so later arrivals never
@@ -39,14 +47,16 @@ Bounds (tokens and steps):
 - A prefilling sequence whose remaining prompt p is at most R // K tokens computes all of it in the step: the
   oldest is given at most R // K first and every sequence served before it in shortest-first order has at most
   p tokens left, so at most R // K + (K - 2) * p <= R - p tokens go before it. So a short request is admitted in
-  the first step after its arrival when its blocks fit with the watermark, a slot is free and no waiting
-  sequence ahead of it has stopped overtaking (3.), and its first token is sampled in that same step when its
-  prompt is at most R // K tokens. At full budget R >= max_num_batched_tokens - max_num_seqs + 1 and
-  K <= max_num_seqs: with the defaults (1024, 32) every prompt of up to 31 tokens; beside six long prompts
-  prefilling (K = 7) in a 1024-token budget, every prompt of up to 146 tokens.
+  the first step after its arrival when its blocks fit with the watermark, a slot is free, no waiting sequence
+  ahead of it has stopped overtaking (3.) and no running prefill is computing its next block (2.), and its first
+  token is sampled in that same step when its prompt is at most R // K tokens. At full budget
+  R >= max_num_batched_tokens - max_num_seqs + 1 and K <= max_num_seqs: with the defaults (1024, 32) every prompt
+  of up to 31 tokens; beside six long prompts prefilling (K = 7) in a 1024-token budget, every prompt of up to 146
+  tokens.
 - No prompt starves in prefill: while R >= K, the earliest arrival among the prefilling sequences computes at
   least min(remaining, R // K) >= 1 tokens each step, so each prefill ends; a waiting sequence that fits in
-  blocks but gets no budget is passed only by shorter prompts.
+  blocks but gets no budget is passed only by shorter prompts. A sequence waiting for blocks in flight waits for
+  a running prefill, which ends (as above) or is preempted or aborted: either way the blocks leave flight.
 - No thrash: a preemption happens only when the blocks of the running sequences' own tokens fill the cache; the
   victim is always the latest admitted, so a sequence is never preempted for one admitted after it; and a
   preempted sequence, re-admitted only beside what is owed to the survivors and the watermark, is preempted
@@ -252,6 +262,8 @@ class Scheduler:
             if not seq.inputs_ready():  # a preempted sequence whose last token's input row has not come
                 continue
             cached = self.block_manager.cached_prefix(seq)
+            if self.block_manager.in_flight(seq, cached):
+                continue  # it takes those blocks from the cache once computed; the ones behind it go on (2.)
             if not self._fits(seq, cached):
                 if head is None:
                     head = seq

@@ -12,7 +12,7 @@ from omni_backend.engine.device import Device
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.scheduler import Scheduler
-from omni_backend.engine.sequence import PromptEmbeds, Sequence
+from omni_backend.engine.sequence import PromptEmbeds, Sequence, SequenceStatus
 
 BLOCK_SIZE = 16
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -163,9 +163,25 @@ def test_reset_forgets_every_name_and_keeps_blocks_in_use():
     assert manager.num_free_blocks == 32 - len(still_running.block_table)
 
 
+def _step(scheduler: Scheduler) -> dict[str, int]:
+    """One step as the engine runs it, without a model: schedule, compute, offer computed blocks to the cache,
+    append token 5 to every sequence whose last token was computed, finish those at max_tokens. Returns the tokens
+    each sequence computed (by request id)."""
+    batch = scheduler.schedule()
+    for seq, count in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed_tokens += count
+        scheduler.block_manager.register_computed_blocks(seq)
+        if seq.num_computed_tokens == len(seq):
+            seq.token_ids.append(5)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq, "length")
+    return {seq.request_id: count for seq, count in zip(batch.seqs, batch.num_tokens)}
+
+
 def test_block_accounting_returns_to_baseline_after_preemptions_and_aborts():
     """Sequences sharing a prefix run through a cache too small for all of them (preemptions), some aborted while
-    prefilling or decoding: at the end every block is free and unreferenced, and the cache still holds names."""
+    prefilling or decoding: at the end every block is free and unreferenced, none is in flight, and the cache still
+    holds names."""
     manager = _manager(num_blocks=20)
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=48)
     shared = list(range(100, 164))
@@ -175,15 +191,8 @@ def test_block_accounting_returns_to_baseline_after_preemptions_and_aborts():
         scheduler.add(seq)
     steps = 0
     while scheduler.has_work():
-        batch = scheduler.schedule()
+        _step(scheduler)
         steps += 1
-        for seq, count in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += count
-            manager.register_computed_blocks(seq)
-            if seq.num_computed_tokens == len(seq):
-                seq.token_ids.append(5)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    scheduler.finish(seq, "length")
         if steps == 3:
             scheduler.finish(seqs[4], "abort")  # mid-prefill or waiting
         if steps == 12:
@@ -191,8 +200,92 @@ def test_block_accounting_returns_to_baseline_after_preemptions_and_aborts():
         assert steps < 2000
     assert scheduler.num_preemptions > 0
     assert manager.prefix_cache_hits > 0
-    assert _ref_counts_are_zero(manager)
+    assert _ref_counts_are_zero(manager) and not manager._in_flight
     assert manager.num_cached_blocks > 0
+
+
+# --- a prefix being computed: later requests wait for it instead of computing it again --------------------------------
+
+SHARED = list(range(100, 164))  # 4 full blocks
+
+
+def _asker(name: str, tail: int, arrival: float, max_tokens: int = 2) -> Sequence:
+    """A request with the 64 SHARED tokens and a tail of 9 tokens of its own."""
+    return Sequence(name, SHARED + [tail] * 9, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival)
+
+
+def test_a_cold_wave_sharing_a_prefix_computes_it_once_and_an_unrelated_request_is_not_delayed():
+    """Four requests share 4 uncached blocks and arrive with an unrelated one, in a 100-token budget. The first
+    computes the shared blocks; the unrelated one is admitted beside it in step 1; the other three, which the budget
+    would have admitted too, wait, take the 4 blocks from the cache once computed, and prefill only their own 9
+    tokens."""
+    manager = _manager(num_blocks=64)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=100)
+    askers = [_asker(f"a{i}", 1000 + i, float(i)) for i in range(4)]
+    unrelated = Sequence("u", list(range(500, 530)), SamplingParams(max_tokens=2, ignore_eos=True), 2.5)
+    for seq in askers[:3] + [unrelated, askers[3]]:
+        scheduler.add(seq)
+    computed: dict[str, int] = {}
+    admitted: dict[str, int] = {}
+    step = 0
+    while scheduler.has_work():
+        step += 1
+        for name, count in _step(scheduler).items():
+            computed[name] = computed.get(name, 0) + count
+            admitted.setdefault(name, step)
+        assert step < 20
+    assert admitted["a0"] == admitted["u"] == 1
+    # step 1 computes u's 30 tokens and 70 of a0's 73 (chunked): the shared blocks are cached after it
+    assert admitted["a1"] == admitted["a2"] == admitted["a3"] == 2
+    assert [seq.num_cached_tokens for seq in askers] == [0, 64, 64, 64]
+    # prompt + 1 generated token fed back each; the shared 64 tokens once
+    assert computed == {"a0": 74, "a1": 10, "a2": 10, "a3": 10, "u": 31}
+    assert (manager.prefix_cache_queries - manager.prefix_cache_hits) == 73 + 3 * 9 + 30
+    assert _ref_counts_are_zero(manager) and not manager._in_flight
+
+
+def test_a_waiting_request_computes_the_prefix_itself_when_the_one_computing_it_is_preempted_or_aborted():
+    """A 164-token prompt computes the shared blocks 16 tokens a step; a 66-token one sharing them (which the
+    budget would admit beside it) waits, through the other's preemption, until it is aborted, then computes the
+    rest of the prefix itself."""
+    manager = _manager(num_blocks=64)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    filler, waiter = Sequence("f", SHARED + [1000] * 100, params, 0.0), Sequence("w", SHARED + [1001] * 2, params, 1.0)
+    scheduler.add(filler)
+    scheduler.add(waiter)
+    assert _step(scheduler) == {"f": 16}  # block 0 computed, the rest in flight
+    assert waiter.status is SequenceStatus.WAITING and manager.in_flight(waiter, manager.cached_prefix(waiter))
+    scheduler._preempt(filler)  # its blocks in flight land uncomputed
+    assert not manager._in_flight
+    assert _step(scheduler) == {"f": 16}  # re-admitted first from its cached block 0, it computes block 1
+    assert waiter.status is SequenceStatus.WAITING
+    scheduler.finish(filler, "abort")
+    assert not manager._in_flight
+    assert _step(scheduler) == {"w": 16}  # from the cached blocks 0 and 1, it computes block 2
+    while scheduler.has_work():
+        _step(scheduler)
+    assert waiter.finish_reason == "length" and waiter.num_cached_tokens == 32
+    assert _ref_counts_are_zero(manager) and not manager._in_flight and manager.num_cached_blocks == 4
+
+
+def test_blocks_in_flight_are_named_by_their_embeddings_too():
+    """A waiting request with the same placeholder ids waits for a running one's blocks only when its image is the
+    same."""
+    manager = _manager()
+    prompt = [1, 2] + [9] * 20 + list(range(200, 220))
+    positions = torch.arange(2, 22)
+    image = torch.randn(20, 8, generator=torch.Generator().manual_seed(0))
+    running = Sequence("a", prompt, PARAMS, 0.0, PromptEmbeds(positions, image))
+    manager.allocate(running, len(running) + 1, manager.cached_prefix(running))
+    other_image = image.clone()
+    other_image[0, 0] += 1e-3  # position 2, block 0
+    same = Sequence("b", prompt, PARAMS, 1.0, PromptEmbeds(positions, image.clone()))
+    other = Sequence("c", prompt, PARAMS, 1.0, PromptEmbeds(positions, other_image))
+    assert manager.in_flight(same, manager.cached_prefix(same))
+    assert not manager.in_flight(other, manager.cached_prefix(other))
+    assert not manager.in_flight(Sequence("d", prompt, SamplingParams(prompt_logprobs=1), 1.0, PromptEmbeds(
+        positions, image.clone())), [])  # it reads the prefill's hidden states: it cannot take blocks from the cache
 
 
 # --- the engine: greedy outputs with the cache on and off -------------------------------------------------------------
@@ -298,3 +391,46 @@ def test_images_behind_the_same_placeholder_ids_reuse_only_their_own_blocks(tiny
     assert [tokens for tokens, _ in on] == [tokens for tokens, _ in off]
     assert on[0][0] != on[1][0]  # the images do change the answer
     assert [cached for _, cached in on] == [0, 16, 48]
+
+
+@pytest.mark.parametrize("budget", [1024, 24], ids=["whole", "chunked"])
+def test_a_cold_wave_through_the_engine_computes_the_shared_prompt_once_and_keeps_its_tokens(tiny_qwen2_path, budget):
+    """Six questions behind one uncached 55-token system prompt (3 full blocks), sent at once: the first computes the
+    system prompt, the other five take its 3 blocks from the cache (which they could not, sent at once, without
+    waiting for them); the greedy tokens are those of an engine without the cache."""
+    def run(enable: bool) -> tuple[list, LLMEngine, list[list[int]]]:
+        engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", max_model_len=512,
+                                        num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=budget,
+                                        enable_prefix_caching=enable))
+        system = engine.tokenizer.encode(SYSTEM * 3)
+        prompts = [system + engine.tokenizer.encode(q) for q in QUESTIONS]
+        return engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)), engine, \
+            prompts
+
+    on, engine, prompts = run(True)
+    off, _, _ = run(False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.cached_tokens for o in on] == [0] + [48] * 5
+    manager = engine.runner.block_manager
+    computed = manager.prefix_cache_queries - manager.prefix_cache_hits  # prompt tokens prefilled
+    assert computed == sum(len(p) for p in prompts) - 5 * 48
+
+
+def test_a_request_waiting_for_an_aborted_prefill_computes_the_prefix_and_its_tokens_are_right(tiny_qwen2_path):
+    config = {"model_path": tiny_qwen2_path, "dtype": "float32", "max_model_len": 512, "num_kv_blocks": 64,
+              "max_num_seqs": 8, "max_num_batched_tokens": 24}
+    engine = LLMEngine(EngineConfig(**config))
+    system = engine.tokenizer.encode(SYSTEM * 3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("filler", system + engine.tokenizer.encode(QUESTIONS[0]), params)
+    engine.add_request("waiter", system + engine.tokenizer.encode(QUESTIONS[1]), params)
+    engine.step()  # the filler computes 24 tokens (block 0 cached), the waiter waits for blocks 1 and 2
+    assert engine.requests["waiter"].seq.status is SequenceStatus.WAITING
+    engine.abort("filler")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [out for out in engine.step() if out.finished]
+    assert [(o.request_id, o.cached_tokens) for o in outputs] == [("waiter", 16)]
+    reference = LLMEngine(EngineConfig(**config, enable_prefix_caching=False)).generate(
+        [system + engine.tokenizer.encode(QUESTIONS[1])], params)[0]
+    assert outputs[0].token_ids == reference.token_ids

@@ -16,8 +16,9 @@ BLOCK_SIZE = 16
 
 
 def _scheduler(num_blocks: int, budget: int = 1024, max_num_seqs: int = 32) -> Scheduler:
+    """Without prefix caching: the prompts here are runs of one token id, which would all share their blocks."""
     pool = BlockTablePool(max_num_seqs, 4096 // BLOCK_SIZE, Device("cpu"))
-    return Scheduler(BlockManager(num_blocks, BLOCK_SIZE, pool), max_num_seqs, budget)
+    return Scheduler(BlockManager(num_blocks, BLOCK_SIZE, pool, enable_prefix_caching=False), max_num_seqs, budget)
 
 
 def _seq(name: str, prompt_tokens: int, max_tokens: int, arrival: float) -> Sequence:

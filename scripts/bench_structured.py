@@ -113,18 +113,21 @@ def valid(text: str) -> bool:
 
 def server_level(base_url: str, model: str, concurrency: int, max_tokens: int) -> dict:
     """`concurrency` constrained chat requests at once (bench_serving's client); its level summary (output tok/s,
-    TTFT/ITL/e2e percentiles in s) plus "valid": how many answers SCHEMA accepts."""
+    TTFT/ITL/e2e percentiles in s) plus "valid": how many answers SCHEMA accepts, "at_max_tokens": how many
+    stopped at `max_tokens`, "sample": the first answer's text."""
     extra = {"ignore_eos": False, "response_format": {
         "type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA, "strict": True}}}
-    answers: list[bool] = []
+    answers: list[dict] = []
 
     def send(question: str) -> dict:
         record = serving.openai_chat(base_url, model, [{"role": "user", "content": question}], max_tokens, extra)
-        answers.append(valid(record["text"]))
+        answers.append(record)
         return record
 
     level = serving.run_level(send, questions(concurrency), concurrency)
-    level["valid"] = sum(answers)
+    level["valid"] = sum(valid(a["text"]) for a in answers)
+    level["at_max_tokens"] = sum(a["tokens"] >= max_tokens for a in answers)
+    level["sample"] = answers[0]["text"] if answers else None
     return level
 
 
@@ -150,23 +153,24 @@ def plot(result: dict, path: Path) -> None:
               ("front door, json_schema", "front_door", "json_schema"),
               ("vLLM CPU, json_schema", "vllm", "json_schema")]
     levels = sorted(result["throughput"], key=int)
+    present = [(label, [result["throughput"][c].get(peer, {}).get(mode, []) for c in levels])
+               for label, peer, mode in series]
+    present = [(label, runs) for label, runs in present if any(runs)]
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(series)
-    for i, (label, peer, mode) in enumerate(series):
-        runs = [result["throughput"][c].get(peer, {}).get(mode, []) for c in levels]
-        if not any(runs):
-            continue
+    width = 0.8 / len(present)
+    for i, (label, runs) in enumerate(present):
         xs = [j + i * width for j in range(len(levels))]
         ax.bar(xs, [statistics.median(r) if r else 0 for r in runs], width, label=label)
         for x, r in zip(xs, runs):
             ax.plot([x] * len(r), r, "k.", alpha=0.5)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))], [f"concurrency {c}" for c in levels])
+    ax.set_xticks([j + (len(present) - 1) * width / 2 for j in range(len(levels))],
+                  [f"concurrency {c}" for c in levels])
     ax.set_ylabel("output tokens / s")
     ax.legend(fontsize=8)
     cpu = result["machine"]["cpu"]
-    ax.set_title(f"JSON schema outputs, SmolLM2-135M, median of {result['rounds']} rounds; ours "
-                 f"{result['ours_dtype']}, vLLM {result['vllm_dtype']}; {cpu['model']}, {cpu['cores']} cores",
-                 fontsize=9)
+    ax.set_title(f"JSON schema outputs, SmolLM2-135M, max {result['max_tokens']} tokens, median of "
+                 f"{result['rounds']} rounds (dots: each round)\nours {result['ours_dtype']}, vLLM "
+                 f"{result['vllm_dtype']}; {cpu['model']}, {cpu['cores']} cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -252,7 +256,8 @@ def main() -> None:
                     peer["json_schema"].append(level["output_tok_s"])
                     peer["levels"].append(level)
                     print(f"  {name:10s} c={c:<3d} json_schema {level['output_tok_s']:6.1f} tok/s, {level['valid']}/"
-                          f"{level['requests']} valid, TTFT p50 {level['ttft_s'].get('p50', 0) * 1e3:.0f} ms"
+                          f"{level['requests']} valid, {level['at_max_tokens']} at max tokens, TTFT p50 "
+                          f"{level['ttft_s'].get('p50', 0) * 1e3:.0f} ms"
                           + (f", errors {level['errors']}" if level["errors"] else ""), flush=True)
             result["machine"]["load_average_per_round"].append(os.getloadavg())
     finally:

@@ -4,8 +4,8 @@ HF transformers and llama.cpp, at concurrency 1, 8 and 32, in interleaved rounds
 
 Workload: chat prompts (real questions, the model's chat template), `--new-tokens` tokens each with EOS ignored and
 greedy decoding, so every peer does the same work. Each level sends `--requests` requests (at least its
-concurrency) from that many client threads. Peers, all on SmolLM2-135M-Instruct with one `--dtype` and one
-`--max-model-len` wherever the peer has them:
+concurrency) from that many client threads. Peers, all on SmolLM2-135M-Instruct with one `--dtype` (ours:
+`--ours-dtype`, by default the same) and one `--max-model-len` wherever the peer has them:
   front_door   our OpenAI front door (`python -m omni_backend.serving`), `/v1/chat/completions` streamed (SSE),
                in front of tritonserver: it drives preprocess -> llm (our engine) -> postprocess itself;
   triton_grpc  the same omni_chat on the same tritonserver, called directly over gRPC streaming (tritonclient);
@@ -26,10 +26,14 @@ Per request: TTFT (send -> first text), e2e (send -> last response), ITL = (e2e 
 (genai-perf's definition). Per level and round: p50/p95/p99 of each, and output tok/s = generated tokens / wall
 time. Per level the report is the median over the rounds of each number; the JSON keeps every round, and the
 ratios both of the medians and within each round.
-Writes serving.json and serving.png into --results-dir (default benchmarks/results).
+`--ours-dtype auto` lets our engine choose (on a CPU with native bfloat16 by measuring, engine/cpu_dtype.py); what
+it ran and why is read from tritonserver's omni_runtime_info and kept in the JSON (`ours_runtime`). The load
+average is recorded at the start, after every level and at the end: the machine may be shared.
+Writes <name>.json and <name>.png (--name, default serving) into --results-dir (default benchmarks/results).
 
 Usage: PYTHONPATH=$PWD .venv/bin/python scripts/bench_serving.py [--rounds 3] [--levels 1 8 32]
-           [--requests 4 16 32] [--new-tokens 64] [--dtype float32|bfloat16] [--skip vllm hf llama_cpp ...]
+           [--requests 4 16 32] [--new-tokens 64] [--dtype float32|bfloat16] [--ours-dtype auto|float32|bfloat16]
+           [--skip vllm hf llama_cpp ...] [--name serving_bf16]
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from omni_backend import paths, repository
 from omni_backend.launch.front_door import FrontDoorProcess
 from omni_backend.launch.ports import free_ports
 from omni_backend.launch.tritonserver import TritonServer
+from omni_backend.ops.metrics import parse_metrics
 from omni_backend.serving.config import ServingConfig
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
@@ -289,15 +294,17 @@ def openai_chat_request(base_url: str, model: str, question: str, new_tokens: in
     return openai_chat(base_url, model, [{"role": "user", "content": question}], new_tokens)
 
 
-def openai_chat(base_url: str, model: str, messages: list[dict], new_tokens: int) -> dict:
-    """One streamed `/v1/chat/completions` request on `messages`: greedy, EOS ignored, `new_tokens` tokens.
+def openai_chat(base_url: str, model: str, messages: list[dict], new_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed `/v1/chat/completions` request on `messages`: greedy, EOS ignored, `new_tokens` tokens;
+    `extra`: body fields added or replaced (e.g. {"response_format": ..., "ignore_eos": False}).
 
     Returns {"ttft_s": s to the first chunk with text, "e2e_s": s to the end of the stream, "tokens": completion
     tokens from the usage chunk, "text": the streamed answer, "usage": the usage chunk as sent}. Raises
-    RuntimeError when the answer stopped early or had no usage.
+    RuntimeError when the answer had no usage, or stopped before `new_tokens` while EOS was ignored.
     """
     body = {"model": model, "messages": messages, "max_tokens": new_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            **(extra or {})}
     request = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     start = time.perf_counter()
@@ -318,7 +325,7 @@ def openai_chat(base_url: str, model: str, messages: list[dict], new_tokens: int
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage") or usage
     end = time.perf_counter()
-    if finish != "length" or not usage:
+    if (body["ignore_eos"] and finish != "length") or not finish or not usage:
         raise RuntimeError(f"stream ended with finish_reason {finish!r}, usage {usage!r}")
     return {"ttft_s": (first or end) - start, "e2e_s": end - start, "tokens": int(usage["completion_tokens"]),
             "text": "".join(text), "usage": usage}
@@ -420,6 +427,13 @@ class OmniServers:
             wait_http(f"{self.base_url}/health", self.front_door.process, 60, "the front door", log)
             openai_chat_request(self.base_url, "omni_chat", "Hi", 4)  # warm-up
         return self
+
+    def runtime_info(self) -> dict[str, str]:
+        """The labels of the llm stage's omni_runtime_info gauge (dtype, dtype_reason, matmuls, ...: what our
+        engine runs with and why), {} when tritonserver's metrics page has none."""
+        with urllib.request.urlopen(self.triton.metrics_url, timeout=5) as response:
+            samples = parse_metrics(response.read().decode("utf-8", "replace")).get("omni_runtime_info", [])
+        return samples[0][0] if samples else {}
 
     def pids(self) -> list[int]:
         """Root processes (tritonserver, whose stubs are its children, and the front door)."""
@@ -757,10 +771,14 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # what our engine ran (its own choice under --ours-dtype auto); older results have neither key
+    ours = results.get("ours_runtime", {}).get("dtype") or results.get("ours_dtype") or results["dtype"]
+    ours_title = ours + (" (auto)" if results.get("ours_dtype") == "auto" else "")
     for name, peer in results["peers"].items():
         cs = sorted(int(c) for c in peer["levels"])
         levels = [peer["levels"][str(c)] for c in cs]
-        label = LABELS[name] + ("" if name == "llama_cpp" else f" ({results['dtype']})")
+        dtype = ours if name in ("front_door", "triton_grpc") else results["dtype"]
+        label = LABELS[name] + ("" if name == "llama_cpp" else f" ({dtype})")
         for ax, median, runs in ((ax_tput, lambda lv: lv["output_tok_s"],
                                   lambda lv: [r["output_tok_s"] for r in lv["rounds"]]),
                                  (ax_ttft, lambda lv: lv["ttft_s"].get("p50", float("nan")),
@@ -780,9 +798,10 @@ def plot(results: dict, path: Path) -> None:
     ax_tput.legend(fontsize=7)
     cpu = results["cpu"]
     flags = ", ".join(flag for flag in ("avx2", "avx512f", "avx512_bf16") if cpu.get(flag)) or "no avx2"
-    ours = results["dtype"] + (", ours int8 weights" if results.get("quantization", "none") != "none" else "")
+    ours_title += ", int8 weights" if results.get("quantization", "none") != "none" else ""
     fig.suptitle(f"SmolLM2-135M chat, {results['workload']['new_tokens']} tokens per request, median of "
-                 f"{results['rounds']} rounds (dots: each round); {ours}; {cpu['model']}, {cpu['cores']} cores, "
+                 f"{results['rounds']} rounds (dots: each round); ours {ours_title}, peers {results['dtype']}\n"
+                 f"{cpu['model']}, {cpu['cores']} cores, "
                  f"{flags}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -802,6 +821,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-requests", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="every peer's dtype but llama.cpp's (bfloat16 needs a CPU with avx512_bf16)")
+    parser.add_argument("--ours-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="our engine's dtype (default: --dtype); auto: the engine's own choice, recorded")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, ours, vLLM's and llama.cpp's")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
                         help="our engine's weights (int8: weight-only, per channel; float32 activations), for the "
@@ -811,16 +832,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "cpu_threads does); 'all': every core; else a VLLM_CPU_OMP_THREADS_BIND value")
     parser.add_argument("--skip", nargs="*", default=[], choices=PEERS)
     parser.add_argument("--results-dir", type=Path, default=RESULTS,
-                        help="where serving.json and serving.png go (smoke runs: somewhere under /tmp)")
+                        help="where <name>.json and <name>.png go (smoke runs: somewhere under /tmp)")
+    parser.add_argument("--name", default="serving", help="the results' file name stem (e.g. serving_bf16)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if len(args.requests) not in (1, len(args.levels)):
         parser.error("--requests takes one value, or one per level")
-    if args.dtype == "bfloat16" and not cpu_info()["avx512_bf16"]:
-        parser.error("--dtype bfloat16 needs a CPU with avx512_bf16 (see /proc/cpuinfo)")
-    if args.quantization != "none" and args.dtype != "float32":
-        parser.error("--quantization int8 computes in float32 (--dtype float32)")
+    args.ours_dtype = args.ours_dtype or args.dtype
+    if "bfloat16" in (args.dtype, args.ours_dtype) and not cpu_info()["avx512_bf16"]:
+        parser.error("bfloat16 needs a CPU with avx512_bf16 (see /proc/cpuinfo)")
+    if args.quantization != "none" and args.ours_dtype == "bfloat16":
+        parser.error("--quantization int8 computes in float32 (--ours-dtype float32 or auto)")
     return args
 
 
@@ -833,14 +856,16 @@ def main(argv: list[str] | None = None) -> None:
     cpu = cpu_info()
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores, avx2: {'yes' if cpu['avx2'] else 'no'}, avx512f: "
           f"{'yes' if cpu['avx512f'] else 'no'}, avx512_bf16: {'yes' if cpu['avx512_bf16'] else 'no'}; "
-          f"dtype {args.dtype}, our quantization {args.quantization}, max_model_len {args.max_model_len}", flush=True)
+          f"dtype {args.dtype}, ours {args.ours_dtype}, our quantization {args.quantization}, max_model_len "
+          f"{args.max_model_len}", flush=True)
     BENCH_CACHE.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = {"workload": {"new_tokens": args.new_tokens, "requests_per_level": {str(c): len(q) for c, q in
                                                                                   per_level.items()},
                             "hf_requests": args.hf_requests, "ignore_eos": True, "temperature": 0.0,
                             "prompts": "chat template of the model over QUESTIONS"},
-               "dtype": args.dtype, "quantization": args.quantization, "max_model_len": args.max_model_len,
+               "dtype": args.dtype, "ours_dtype": args.ours_dtype, "quantization": args.quantization,
+               "max_model_len": args.max_model_len,
                "max_num_seqs": MAX_NUM_SEQS,
                "cpu": cpu, "machine": f"{platform.machine()} {os.cpu_count()} cores", "rounds": args.rounds,
                "load_average_at_start": os.getloadavg(),
@@ -855,9 +880,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if "front_door" in wanted or "triton_grpc" in wanted:
             print("starting tritonserver (omni_chat) and the front door ...", flush=True)
-            omni = OmniServers(args.dtype, args.max_model_len, front_door="front_door" in wanted,
+            omni = OmniServers(args.ours_dtype, args.max_model_len, front_door="front_door" in wanted,
                                settings={"quantization": args.quantization}).start()
             services.append(omni)
+            results["ours_runtime"] = omni.runtime_info()
+            print(f"  ours runs {results['ours_runtime'].get('dtype')} "
+                  f"({results['ours_runtime'].get('dtype_reason')}), matmuls "
+                  f"{results['ours_runtime'].get('matmuls')}", flush=True)
             owner["front_door"] = owner["triton_grpc"] = omni
             senders["front_door"] = lambda q: openai_chat_request(omni.base_url, "omni_chat", q, args.new_tokens)
             senders["triton_grpc"] = lambda q: omni_chat_request(omni.grpc_url, q, args.new_tokens)
@@ -909,6 +938,7 @@ def main(argv: list[str] | None = None) -> None:
                     level["other_servers_cpu_cores_by_server"] = {
                         k: (cpu_seconds(pids) - cpu_before[k]) / level["seconds"] for k, pids in others.items()}
                     level["other_servers_cpu_cores"] = sum(level["other_servers_cpu_cores_by_server"].values())
+                    level["load_average"] = os.getloadavg()
                     runs[name].setdefault(str(level["concurrency"]), []).append(level)
                     report(name, level, f"  (others idle: {level['other_servers_cpu_cores']:.3f} cores)")
     finally:
@@ -923,13 +953,14 @@ def main(argv: list[str] | None = None) -> None:
             report(name, level, f"  (tok/s per round: {', '.join(f'{v:.1f}' for v in level['output_tok_s_runs'])})")
     results["ratios"], results["ratios_per_round"] = ratios(results["peers"])
     results["seconds"] = time.perf_counter() - started
+    results["load_average_at_end"] = os.getloadavg()
     for key, value in results["ratios"].items():
         rounds = ", ".join("-" if v is None else f"{v:.2f}" for v in results["ratios_per_round"][key])
         print(f"{key}: {value:.2f}x (medians; per round: {rounds})")
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.results_dir / "serving.png")
-    print(f"wrote {args.results_dir / 'serving.json'} and serving.png in {results['seconds']:.0f} s")
+    (args.results_dir / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.results_dir / f"{args.name}.png")
+    print(f"wrote {args.results_dir / args.name}.json and .png in {results['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

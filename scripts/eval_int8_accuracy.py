@@ -6,10 +6,18 @@ Measured over 50 chat prompts (the model's chat template over the questions belo
 - logit error: transformers' model with the engine's dequantized int8 weights (q * s, what the int8 kernels
   multiply by; tests/engine/test_cpu_kernel_step.py shows the engine's int8 tokens equal it) against the float32
   model, over every position of each prompt followed by the float32 completion (teacher forcing): max and mean
-  absolute logit difference, and how often the argmax differs.
-Writes benchmarks/results/int8_accuracy.json; names the CPU.
+  absolute logit difference, and how often the argmax differs;
+- with --groups, instead: what per-group scales would give, before any kernel has them. transformers' float32 model
+  with its projections and head quantized and dequantized in torch (`fake_quantize`: one scale per `group`
+  consecutive inputs of an output row, as llama.cpp's Q8_0 (32) and AWQ (128) group; 0 is per channel, which
+  reproduces the engine's int8 weights exactly: recorded) generates greedily (all prompts in one left-padded
+  batch, ended at <|im_end|>), against the same model unquantized, padded alike: identical completions and mean
+  shared leading tokens per group size. A group must divide every projection's input width (SmolLM2-135M: 576
+  and 1536, so 32 or 64, not 128).
+Writes benchmarks/results/int8_accuracy.json (with --groups: int8_groups.json); names the CPU.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py        # about 3 minutes on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py --groups 0 64 32
 """
 
 from __future__ import annotations
@@ -68,20 +76,95 @@ def dequantized_model(engine: LLMEngine):
     return model
 
 
+def fake_quantize(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 [N, K] -> the float32 [N, K] that symmetric int8 with one scale per `group` consecutive inputs of
+    each row gives back (q * s): s = max |W| over the group / 127, q = W / s rounded half to even, in [-127, 127];
+    a group of zeros gets s = 0. group 0: one scale per row (kernels/linear_cpu.cpp's linear_pack_i8, the same
+    float32 operations). Raises ValueError when `group` does not divide K."""
+    n, k = weight.shape
+    group = group or k
+    if k % group:
+        raise ValueError(f"group {group} does not divide the input width {k}")
+    w = weight.reshape(n, k // group, group)
+    scale = w.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(w / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
+    return (q * scale).reshape(n, k)
+
+
+def greedy(model, prompts: list[list[int]], new_tokens: int, eos: int) -> list[list[int]]:
+    """transformers' greedy completions, all prompts in one left-padded batch (the models compared get the same
+    padding), each cut after its first `eos`."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             top_p=None, top_k=None, temperature=None, pad_token_id=eos, eos_token_id=eos)
+    completions = []
+    for row in out[:, width:].tolist():
+        completions.append(row[:row.index(eos) + 1] if eos in row else row)
+    return completions
+
+
+def agreement(want: list[list[int]], got: list[list[int]]) -> tuple[int, float]:
+    """(identical completions, mean number of leading tokens shared)."""
+    shared = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(want, got)]
+    return sum(a == b for a, b in zip(want, got)), sum(shared) / len(shared)
+
+
+def simulated_groups(reference, engine_weights: dict[str, torch.Tensor], groups: list[int], prompts: list[list[int]],
+                     new_tokens: int, eos: int) -> dict:
+    """Greedy agreement of `reference` (float32 transformers model) with copies whose weights named in
+    `engine_weights` (the int8 engine's dequantized weights: which tensors it quantizes) are `fake_quantize`d per
+    group size; group 0 also records how far its weights are from the engine's (0 expected)."""
+    originals = {name: (reference.get_input_embeddings().weight if name == "lm_head.weight" else
+                        reference.get_parameter(name)).detach() for name in engine_weights}
+    want = greedy(reference, prompts, new_tokens, eos)
+    out = {}
+    for group in groups:
+        weights = {name: fake_quantize(w, group) for name, w in originals.items()}
+        model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie from the input table
+        model.load_state_dict(weights, strict=False)
+        same, shared = agreement(want, greedy(model, prompts, new_tokens, eos))
+        out[str(group)] = {"identical_completions": same, "mean_shared_leading_tokens": shared}
+        if group == 0:
+            out["0"]["max_abs_difference_from_engine"] = max((weights[n] - engine_weights[n]).abs().max().item()
+                                                             for n in weights)
+        print(f"group {group or 'per channel'}: {same}/{len(prompts)} identical, {shared:.1f} leading tokens shared",
+              flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--groups", type=int, nargs="*", default=[],
+                        help="instead: simulate per-group scales of these sizes in transformers (0: per channel), "
+                             "into int8_groups.json")
     args = parser.parse_args()
     config = dict(model_path=str(MODEL), dtype="float32", kv_cache_bytes=256 << 20, max_model_len=1024)
     fp32 = LLMEngine(EngineConfig(**config))
     int8 = LLMEngine(EngineConfig(**config, quantization="int8"))
     prompts = chat_prompts(fp32)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    if args.groups:
+        reference = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+        result = {"cpu": serving.cpu_info(), "model": MODEL.name, "prompts": len(prompts),
+                  "new_tokens": args.new_tokens, "how": "transformers float32, weights fake-quantized per group, "
+                  "greedy in one left-padded batch against the unquantized model padded alike",
+                  "groups": simulated_groups(reference, int8.runner.model.cpu_forward.dequantized_weights(),
+                                             args.groups, prompts, args.new_tokens,
+                                             fp32.tokenizer.convert_tokens_to_ids("<|im_end|>"))}
+        out = args.results_dir / "int8_groups.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
     want = [o.token_ids for o in fp32.generate(prompts, params)]
     got = [o.token_ids for o in int8.generate(prompts, params)]
-    same = sum(a == b for a, b in zip(want, got))
-    shared = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(want, got)]
+    same, shared = agreement(want, got)
 
     reference = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     quantized = dequantized_model(int8)
@@ -98,7 +181,7 @@ def main() -> None:
     result = {
         "cpu": serving.cpu_info(), "model": MODEL.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
         "greedy_identical_completions": same, "greedy_agreement": same / len(prompts),
-        "mean_shared_leading_tokens": sum(shared) / len(shared),
+        "mean_shared_leading_tokens": shared,
         "logit_max_abs_error": max_error, "logit_mean_abs_error": total_error / positions,
         "positions": positions, "argmax_differs_at_positions": argmax_differs,
         "weight_bytes": {"float32": fp32.runner.model.cpu_forward.weight_bytes,
@@ -107,7 +190,6 @@ def main() -> None:
                       for q, a, b in zip(QUESTIONS, want, got) if a != b],
     }
     print(json.dumps({k: v for k, v in result.items() if k != "differing"}, indent=2))
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / "int8_accuracy.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

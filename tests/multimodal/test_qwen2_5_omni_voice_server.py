@@ -175,7 +175,8 @@ def test_an_unknown_voice_is_a_400_naming_the_models_voices(served):
 
 def voice_metrics(server) -> dict[str, float]:
     """The voice stage's metrics: gauges and counters by name, histograms as <name>_count and <name>_le1 (the
-    observations of 1)."""
+    observations of 1); and the llm stage's as llm_<name>: tokens generated, engine steps (both modes) and the
+    sequences in them."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     values = {}
     for name in ("omni_talker_kv_cache_blocks_used", "omni_voice_answers", "omni_voice_cancelled_total",
@@ -186,6 +187,9 @@ def voice_metrics(server) -> dict[str, float]:
     for name in ("omni_talker_batch_size", "omni_code2wav_batch_size"):
         match = re.search(rf'^{name}_bucket{{[^}}]*le="1(?:\.0)?"[^}}]*}} (\S+)$', text, re.MULTILINE)
         values[f"{name}_le1"] = float(match.group(1)) if match else 0.0
+    for name in ("omni_generation_tokens_total", "omni_engine_steps_total", "omni_engine_step_sequences_total"):
+        found = re.findall(rf'^{name}{{[^}}]*model="llm"[^}}]*}} (\S+)$', text, re.MULTILINE)
+        values[f"llm_{name}"] = sum(map(float, found))
     return values
 
 
@@ -202,24 +206,41 @@ def settled(server) -> dict[str, float]:
     return values
 
 
-def test_concurrent_answers_are_batched_in_the_talker_and_code2wav(served):
-    """Three answers at once: each is whole (the greedy talker gives each the same codes: same length), and the
-    metrics show talker steps and code2wav calls that served more than one answer, a first audio per answer, and the
-    talker's KV blocks free after."""
+def test_four_concurrent_answers_are_batched_in_the_thinker_talker_and_code2wav(served):
+    """Four answers at once: each is whole, its transcript the written answer to the same greedy request (asked
+    before, one at a time), and the metrics show thinker (llm) steps, talker steps and code2wav calls that served
+    more than one answer, a first audio per answer, and the talker's KV blocks free after. Text prompts, so that the
+    four start together (media ones wait for their encoders first, and a chunk waits for others to batch with
+    for at most code2wav_max_delay_steps talker steps)."""
     _, server, url = served
+    messages = ["Say hello.", "Name a colour.", "Say hello.", "Name a colour."]
+    tokens = 12  # thinker tokens per answer: long enough for the four to overlap in its steps
+    written = [chat(url, voice=None, message=m, max_tokens=tokens).json()["choices"][0]["message"]["content"]
+               for m in messages]
+    assert all(written)
     before = settled(server)
-    with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(lambda _: chat(url, audio_format="pcm16"), range(3)))
+    with ThreadPoolExecutor(len(messages)) as pool:
+        answers = list(pool.map(lambda m: chat(url, audio_format="pcm16", message=m, max_tokens=tokens), messages))
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
-    lengths = {len(base64.b64decode(a.json()["choices"][0]["message"]["audio"]["data"])) for a in answers}
-    assert len(lengths) == 1 and lengths.pop() > 0
+    audio = [a.json()["choices"][0]["message"]["audio"] for a in answers]
+    assert [a["transcript"] for a in audio] == written
+    for clip in audio:
+        size = len(base64.b64decode(clip["data"]))
+        assert size % (2 * SAMPLES_PER_CODE) == 0 and 0 < size <= 2 * CODEC_TOKENS * SAMPLES_PER_CODE
+    # the llm stage publishes once a second: wait for the answers' tokens (its steps come in the same snapshot)
+    published = wait_for(lambda: (m := voice_metrics(server))["llm_omni_generation_tokens_total"] - before[
+        "llm_omni_generation_tokens_total"] >= len(messages) * tokens and m, 10)
+    assert published, "the llm stage did not publish the answers' tokens"
     after = settled(server)
+    steps = after["llm_omni_engine_steps_total"] - before["llm_omni_engine_steps_total"]
+    assert after["llm_omni_engine_step_sequences_total"] - before["llm_omni_engine_step_sequences_total"] > steps, \
+        f"no thinker step above 1: {after}"
     for name in ("omni_talker_batch_size", "omni_code2wav_batch_size"):
         calls = after[f"{name}_count"] - before[f"{name}_count"]
         alone = after[f"{name}_le1"] - before[f"{name}_le1"]
         assert calls > alone, f"no {name} above 1: {after}"
     assert after["omni_voice_time_to_first_audio_seconds_count"] - before[
-        "omni_voice_time_to_first_audio_seconds_count"] == 3
+        "omni_voice_time_to_first_audio_seconds_count"] == len(messages)
     assert after["omni_talker_kv_cache_blocks_used"] == 0
 
 

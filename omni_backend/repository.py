@@ -17,7 +17,8 @@ table in docs/operations.md is `settings_table()` (`python -m omni_backend.repos
 
 Derived placeholders: `llm_instance_group`, the llm model's Triton instance group for `device` (KIND_CPU on CPU;
 KIND_GPU on GPUs, so Triton runs one llm instance, each with its own engine, KV cache and governor, per GPU),
-`llm_parameters`, and `voice_model` ("voice" when the llm's checkpoint has a talker, stages/voice.py). The GPU shares
+`llm_parameters`, and `voice_model` ("voice" when the llm's checkpoint has a talker, stages/voice.py). The `voice`
+model itself is rendered only then (`served_models`). The GPU shares
 (ops/gpu_budget.py) sum to 0.91 by default, leaving the rest for every process's CUDA context and Triton's memory
 pools; a checkpoint with a talker adds `talker_gpu_memory_utilization` and code2wav's model.
 """
@@ -45,6 +46,7 @@ from omni_backend.stages.voice import has_talker
 
 
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+VOICE_MODEL = "voice"  # the model that speaks in the served checkpoint's own voice (stages/voice.py)
 
 
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (
@@ -129,7 +131,7 @@ class Settings:
         values = {name: to_text(value) for name, value in vars(self).items()}
         values["llm_instance_group"] = llm_instance_group(self.device, tensor_parallel_size=self.tensor_parallel_size)
         values["llm_parameters"] = self.llm_parameters()
-        values["voice_model"] = "voice" if has_talker(self.llm_model_path) else ""
+        values["voice_model"] = VOICE_MODEL if has_talker(self.llm_model_path) else ""
         return values
 
     def llm_parameters(self) -> str:
@@ -197,6 +199,14 @@ def model_names(templates: Path | None = None) -> list[str]:
     return sorted(p.parent.name for p in templates.glob("*/config.pbtxt"))
 
 
+def served_models(settings: Settings, templates: Path | None = None) -> list[str]:
+    """The models a server with `settings` runs unless told otherwise: every template's, but `voice` only when the
+    llm's checkpoint has a talker (stages/voice.py `has_talker`); without one it would load nothing and still cost
+    a Python-backend stub process that answers every request UNAVAILABLE."""
+    return [name for name in model_names(templates)
+            if name != VOICE_MODEL or has_talker(settings.llm_model_path)]
+
+
 def render_config(template: str, settings: Settings, source: str = "config.pbtxt") -> str:
     """Fill the `${name}` placeholders of one config template.
 
@@ -235,7 +245,8 @@ def render_repository(
     Args:
         output: folder to (re)create; anything else in it is replaced.
         settings: values to use; default `Settings.load(overrides)`.
-        models: subset of model names; default every model in `templates`.
+        models: subset of model names; default `served_models` (every model in `templates`, `voice` only for a
+            checkpoint with a talker).
         templates: template repository, default `<project>/model_repository`.
         **overrides: setting overrides when `settings` is not given (e.g. `kv_cache_bytes=64 << 20`).
 
@@ -251,7 +262,7 @@ def render_repository(
     elif overrides:
         raise ValueError("pass either settings or overrides, not both")
     available = model_names(templates)
-    models = available if models is None else list(models)
+    models = served_models(settings, templates) if models is None else list(models)
     missing = sorted(set(models) - set(available))
     if missing:
         raise ValueError(f"no such model(s) in {templates}: {', '.join(missing)}")

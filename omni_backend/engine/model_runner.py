@@ -137,6 +137,7 @@ class ModelRunner:
                     self.language_model.name, self.dtype, self.dtype_reason, self.device.torch_device)
         self.sampler = Sampler()
         self.num_eager_steps = 0
+        self.num_step_sequences = 0  # sequences in the steps run, summed (over the steps: the mean batch size)
         self.graph_runner: DecodeGraphRunner | None = None
         self.graph_pool_bytes = 0
         self._graph_sizes = capture_batch_sizes(config.max_num_seqs)
@@ -421,6 +422,7 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, hidden] of the step (decode-only steps replay a CUDA graph where one fits)."""
+        self.num_step_sequences += inputs.num_seqs
         tables = self.block_table_pool.tables.index_select(0, inputs.pool_rows)
         embeds = self._input_embeds(inputs)
         if inputs.is_decode_only and self.graph_runner is not None:

@@ -34,6 +34,10 @@ loop and the response thread only append plain records, and `LLMService`'s metri
                                                    (ops/kv_event_stream.py; 0 while the kv_events setting is off)
     omni_engine_steps_total{mode}       counter    steps run as a CUDA-graph replay (mode="cuda_graph") or eagerly
     omni_cuda_graph_padded_rows_total   counter    padding rows replayed (batch rounded up to a bucket)
+    omni_engine_step_sequences_total    counter    sequences in those steps, summed: over omni_engine_steps_total
+                                                   (both modes) the mean batch size, above 1 only when some step
+                                                   ran more than one sequence (one counter, not a histogram of
+                                                   batch sizes: an observation per step would be an IPC call each)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
     omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,attention_reason,matmuls,
                       fallback_reason,dtype,dtype_reason}
@@ -114,6 +118,7 @@ class LLMStats:
     graph_replays: int = 0
     graph_padded_rows: int = 0
     eager_steps: int = 0
+    step_sequences: int = 0
     prefix_cache_enabled: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -191,6 +196,9 @@ class LLMMetrics:
         self.graph_steps = steps.Metric(labels={**labels, "mode": "cuda_graph"})
         self.eager_steps = steps.Metric(labels={**labels, "mode": "eager"})
         self.padded_rows = metric("omni_cuda_graph_padded_rows_total", "Padding rows in CUDA-graph replays", C)
+        self.step_sequences = metric("omni_engine_step_sequences_total",
+                                     "Sequences in the engine's steps, summed (over omni_engine_steps_total: the mean "
+                                     "batch size)", C)
         self.backend = metric("omni_attention_backend", "1 for the attention backend in use", G,
                               backend=attention_backend)
         self.backend.set(1)
@@ -241,7 +249,8 @@ class LLMMetrics:
                               (self.kv_events_dropped, stats.kv_events_dropped - last.kv_events_dropped),
                               (self.graph_steps, stats.graph_replays - last.graph_replays),
                               (self.eager_steps, stats.eager_steps - last.eager_steps),
-                              (self.padded_rows, stats.graph_padded_rows - last.graph_padded_rows)):
+                              (self.padded_rows, stats.graph_padded_rows - last.graph_padded_rows),
+                              (self.step_sequences, stats.step_sequences - last.step_sequences)):
             if delta:
                 metric.increment(delta)
         for metric, value, old in ((self.running, stats.running, last.running),

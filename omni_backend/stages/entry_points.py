@@ -20,9 +20,10 @@ parameters, `Steps`):
 
     omni_chat      preprocess -> llm -> postprocess
     omni_chat_mm   preprocess -> media_embed (only for a request with image/audio parts) -> llm -> postprocess
-    omni_speech    speech_options, preprocess -> llm -> tts (once per llm response, in order); when the served
-                   model has a talker (its `voice_model` is set): voice check, preprocess -> llm (with the thinker's
-                   rows) -> voice (once per llm response, in order; stages/voice_answer.py)
+    omni_speech    speech_options, preprocess -> media_embed (as omni_chat_mm's) -> llm -> tts (once per llm
+                   response, in order); when the served model has a talker (its `voice_model` is set): voice check,
+                   preprocess -> media_embed -> llm (with the thinker's rows) -> voice (once per llm response, in
+                   order, the first with the prompt's M-RoPE ids and media positions; stages/voice_answer.py)
 
 Tensors go from stage to stage by name. postprocess only rewrites logprobs, so an llm response without them skips
 it (`carries_logprobs`). A response with a non-empty `finish_reason` is the request's last and carries the final
@@ -287,7 +288,8 @@ class EntryPoint:
         has_media = bool(json.loads(one_value(prepared, T.MEDIA_PARTS, str, "[]")))
         if has_media and steps.media is None:  # the placeholders would reach the llm without their embeddings
             raise StageError(ErrorKind.INVALID_ARGUMENT, f"{T.TEXT_INPUT} has image, audio or video parts: "
-                             f"{self.name} takes text only (send them to a multimodal entry point, omni_chat_mm)",
+                             f"{self.name} takes text only (send them to omni_chat_mm, or to omni_speech for a "
+                             "spoken answer)",
                              T.TEXT_INPUT)
         if has_media:
             llm_inputs.update(stages.infer(steps.media, {k: prepared[k] for k in MEDIA_INPUTS},
@@ -305,7 +307,7 @@ class EntryPoint:
         if steps.voice is not None:
             llm_inputs[T.SAMPLING_PARAMS], seed = with_hidden_states(llm_inputs[T.SAMPLING_PARAMS])
             spoken = VoiceAnswer(stages, steps.voice, request, key, arrays[T.VOICE], seed,
-                                 llm_inputs.get(T.PROMPT_POSITIONS))
+                                 llm_inputs.get(T.PROMPT_POSITIONS), llm_inputs.get(T.PROMPT_EMBED_POSITIONS))
         # every output for a spoken answer: hidden_states and input_embeds come only with return_hidden_states
         responses = stages.stream(steps.llm, llm_inputs, () if spoken else LLM_OUTPUTS, rid)
         llm_ended = False

@@ -75,16 +75,20 @@ class VoiceAnswer:
         model: the voice stage's model name.
         client: the entry point's request.
         key: the answer's key (the llm generation's stream_key).
-        voice: the voice tensor (STRING [1]), seed: the llm request's seed or None, prompt_positions: the M-RoPE ids
-            of a prompt with media (INT32 [3, n]) or None.
+        voice: the voice tensor (STRING [1]), seed: the llm request's seed or None.
+        prompt_positions: the M-RoPE ids of a prompt with media (INT32 [3, n]) or None.
+        media_positions: the prompt positions of its image, audio and video placeholders (INT32 [k], media_embed's
+            `prompt_embed_positions`: the talker reads their input embeddings as zero) or None.
     """
 
     def __init__(self, stages, model: str, client: Client, key: str, voice: np.ndarray, seed: int | None,
-                 prompt_positions: np.ndarray | None = None):
+                 prompt_positions: np.ndarray | None = None, media_positions: np.ndarray | None = None):
         self.stages, self.model, self.client = stages, model, client
         self.key = np.array([key.encode()], dtype=np.object_)
-        self.first = {T.VOICE: voice, **({T.SEED: np.array([seed], np.int64)} if seed is not None else {}),
-                      **({T.PROMPT_POSITIONS: prompt_positions} if prompt_positions is not None else {})}
+        self.first = {T.VOICE: voice, **({T.SEED: np.array([seed], np.int64)} if seed is not None else {})}
+        for name, array in ((T.PROMPT_POSITIONS, prompt_positions), (T.MEDIA_POSITIONS, media_positions)):
+            if array is not None and array.size:
+                self.first[name] = array
         self.started = False  # its first request went to the voice stage
         self.ended = False  # its last request was answered to the end
 

@@ -134,6 +134,8 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
     assert value(after, "omni_prefix_cache_blocks") >= (repeated - 1) // 16
     assert value(after, "omni_prefix_cache_enabled") == 1
     assert delta("omni_engine_steps_total", mode="eager") >= max(completion)  # CPU: every step eager
+    # one request at a time: every step ran one sequence (batches above 1: test_qwen2_5_omni_voice_server.py)
+    assert delta("omni_engine_step_sequences_total") == delta("omni_engine_steps_total", mode="eager")
     assert value(after, "omni_engine_steps_total", mode="cuda_graph") == 0
     assert "omni_cuda_graph_padded_rows_total" in after
     # the C++ decode kernel (CPU default), or torch where there is no compiler to build it

@@ -80,8 +80,10 @@ def test_render_config_substitutes_and_escapes():
 def test_render_repository(tmp_path):
     out = tmp_path / "repo"
     assert render_repository(out, kv_cache_bytes=1 << 20, max_queued_requests=7)
-    names = repository.model_names()
-    assert {"preprocess", "llm", "postprocess", "omni_chat"} <= set(names)
+    names = sorted(p.name for p in out.iterdir())
+    # every template but voice: the default checkpoint has no talker
+    assert names == [name for name in repository.model_names() if name != "voice"]
+    assert {"preprocess", "llm", "postprocess", "omni_chat", "voice"} <= set(repository.model_names())
     for name in names:
         config = (out / name / "config.pbtxt").read_text()
         assert "${" not in config.replace("${...}", "")
@@ -98,16 +100,25 @@ def test_render_repository(tmp_path):
         render_repository(out, models=["nope"])
 
 
-def test_the_speech_entry_point_names_the_voice_stage_only_for_a_checkpoint_with_a_talker(tmp_path):
+def test_the_voice_stage_is_rendered_and_named_only_for_a_checkpoint_with_a_talker(tmp_path):
+    """A Qwen2.5-Omni folder with its voices (spk_dict.pt) gets the voice model and omni_speech's voice_model;
+    without them, or for the default checkpoint, neither (unless a list of models names voice)."""
     omni = tmp_path / "omni"
     omni.mkdir()
     (omni / "config.json").write_text('{"architectures": ["Qwen2_5OmniForConditionalGeneration"]}')
     template = (paths.MODEL_REPOSITORY_TEMPLATES / "omni_speech" / "config.pbtxt").read_text()
     line = 'parameters { key: "voice_model" value: { string_value: "%s" } }'
     assert line % "" in render_config(template, Settings(llm_model_path=str(omni)))  # no spk_dict.pt: no voices
+    assert "voice" not in repository.served_models(Settings(llm_model_path=str(omni)))
     (omni / "spk_dict.pt").write_bytes(b"")
     assert line % "voice" in render_config(template, Settings(llm_model_path=str(omni)))
     assert line % "" in render_config(template, Settings.load(environ={}))
+    assert repository.served_models(Settings(llm_model_path=str(omni))) == repository.model_names()
+    assert "voice" not in repository.served_models(Settings.load(environ={}))
+    render_repository(tmp_path / "repo", llm_model_path=str(omni))
+    assert (tmp_path / "repo" / "voice" / "config.pbtxt").is_file()
+    render_repository(tmp_path / "repo", models=["voice"])  # named: rendered (it answers UNAVAILABLE)
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["voice"]
     voice = render_config((paths.MODEL_REPOSITORY_TEMPLATES / "voice" / "config.pbtxt").read_text(),
                           Settings(llm_model_path=str(omni), talker_max_num_seqs=3, code2wav_num_steps=4))
     assert f'key: "model_path" value: {{ string_value: "{omni}" }}' in voice

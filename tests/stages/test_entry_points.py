@@ -16,8 +16,10 @@ from omni_backend.vocabulary import ErrorKind, StageError
 
 CHAT = Steps(preprocess="preprocess", llm="llm", postprocess="postprocess")
 MM = Steps(preprocess="preprocess", llm="llm", postprocess="postprocess", media="media_embed")
-SPEECH = Steps(preprocess="preprocess", llm="llm", speech_options="speech_options", tts="tts")
-VOICE = Steps(preprocess="preprocess", llm="llm", speech_options="speech_options", tts="tts", voice="voice")
+SPEECH = Steps(preprocess="preprocess", llm="llm", media="media_embed", speech_options="speech_options", tts="tts")
+VOICE = Steps(preprocess="preprocess", llm="llm", media="media_embed", speech_options="speech_options", tts="tts",
+              voice="voice")
+IMAGE = '[{"kind": "image", "tokens": 2, "items": 1}]'
 
 
 def llm_response(text: str, finish: str = "", tokens: int = 1, logprobs: str = "") -> dict:
@@ -197,7 +199,7 @@ def test_media_embed_runs_only_for_requests_with_media(run):
     text_only = FakeStages([llm_response("ok", "stop")])
     run(MM, text_only, ListClient())
     assert [model for model, _ in text_only.calls] == ["preprocess", "llm"]
-    with_image = FakeStages([llm_response("ok", "stop")], media_parts='[{"kind": "image", "tokens": 2, "items": 1}]')
+    with_image = FakeStages([llm_response("ok", "stop")], media_parts=IMAGE)
     run(MM, with_image, ListClient())
     assert [model for model, _ in with_image.calls] == ["preprocess", "media_embed", "llm"]
     assert {"prompt_embeds", "prompt_embed_positions"} <= set(with_image.calls[2][1])
@@ -321,7 +323,7 @@ def test_the_model_configs_name_their_steps():
 def test_a_text_only_entry_point_refuses_media_parts_instead_of_answering_without_them(run):
     """omni_chat's preprocess decodes media into placeholder tokens too; without media_embed the llm would read
     them with no embeddings, so the request is refused, naming text_input, and the llm is never called."""
-    stages = FakeStages([llm_response("never", "stop")], media_parts='[{"kind": "image", "tokens": 2, "items": 1}]')
+    stages = FakeStages([llm_response("never", "stop")], media_parts=IMAGE)
     client = ListClient()
     run(CHAT, stages, client)
     assert [model for model, _ in stages.calls] == ["preprocess"] and client.sent == []
@@ -355,6 +357,7 @@ def test_a_model_with_a_talker_speaks_through_the_voice_stage(run):
     assert {p["stream_key"][0] for p in pushes} == {llm["stream_key"][0]}
     assert pushes[0]["voice"][0] == b"Chelsie" and pushes[0]["seed"].tolist() == [5]
     assert pushes[0]["prompt_tokens"].tolist() == [5] and "voice" not in pushes[1]
+    assert not {"prompt_positions", "media_positions"} & set(pushes[0])  # a text prompt: 1-D positions
     assert [p["hidden_states"].shape[0] for p in pushes[:2]] == [6, 1] and "hidden_states" in pushes[2]
     kinds = [("text", text(o)) if "waveform" not in o else ("audio", o["waveform"].size) for o, _ in client.sent]
     assert kinds == [("text", "Hi"), ("audio", 7), ("text", " there"), ("audio", 2), ("audio", 1), ("audio", 1),
@@ -364,6 +367,32 @@ def test_a_model_with_a_talker_speaks_through_the_voice_stage(run):
     last, final = client.sent[-1]
     assert final and last["finish_reason"][0] == b"stop" and last["completion_tokens"].tolist() == [1]
     assert [final for _, final in client.sent[:-1]] == [False] * 6 and not stages.cancelled_keys
+
+
+def test_a_spoken_answer_to_a_prompt_with_media_gives_the_voice_its_positions(run):
+    """An image prompt through omni_speech with a talker: media_embed's embeddings go to the llm with the prompt's
+    M-RoPE ids, and the answer's first voice request carries those ids and the placeholders' positions
+    (media_embed's `prompt_embed_positions`, whose input embeddings the talker reads as zero); later ones neither."""
+    stages = FakeStages([voiced("Hi", 6), voiced("", 0, "stop")], media_parts=IMAGE)
+    positions = np.arange(15, dtype=np.int32).reshape(3, 5)
+    real_infer = stages.infer
+
+    def with_positions(model, inputs, outputs, request_id):
+        answer = real_infer(model, inputs, outputs, request_id)
+        if model == "preprocess":
+            answer["prompt_positions"] = positions
+        return answer
+
+    stages.infer = with_positions
+    client = ListClient()
+    run(VOICE, stages, client, {"text_input": string_tensor("hi"), "voice": string_tensor("Chelsie")})
+    assert not client.errors and client.sent[-1][1]
+    assert [model for model, _ in stages.calls] == ["voice", "preprocess", "media_embed", "llm", "voice", "voice"]
+    llm = stages.calls[3][1]
+    assert llm["prompt_embeds"].shape == (2, 8) and np.array_equal(llm["prompt_positions"], positions)
+    first, last = stages.calls[4][1], stages.calls[5][1]
+    assert np.array_equal(first["prompt_positions"], positions) and first["media_positions"].tolist() == [0, 1]
+    assert not {"prompt_positions", "media_positions", "voice"} & set(last)
 
 
 def test_an_unknown_voice_or_speed_is_refused_before_the_llm_runs(run):

@@ -225,7 +225,7 @@ class LLMService:
             kv_events_dropped=self.core.kv_events.num_dropped_events if self.core.kv_events is not None else 0,
             graph_replays=graphs.num_replays if graphs else 0,
             graph_padded_rows=graphs.num_padded_rows if graphs else 0,
-            eager_steps=runner.num_eager_steps,
+            eager_steps=runner.num_eager_steps, step_sequences=runner.num_step_sequences,
             prefix_cache_enabled=blocks.enable_prefix_caching, prefix_cache_queries=blocks.prefix_cache_queries,
             prefix_cache_hits=blocks.prefix_cache_hits, prefix_cache_blocks=blocks.num_cached_blocks,
             structured_requests=engine.grammars.num_requests, grammar_cache_hits=engine.grammars.num_cache_hits,

@@ -54,7 +54,7 @@ class FrontDoor:
         """stage -> why it cannot serve now, for each stage on a server of its own (`stage_endpoints`) that cannot;
         each server is asked for at most READY_TIMEOUT_S (serving/triton_client.py), all at once."""
         problems = await asyncio.gather(*(backend.model_problem(model) for backend, model in self.separate.values()))
-        return {stage: problem for stage, problem in zip(self.separate, problems) if problem is not None}
+        return {stage: problem for stage, problem in zip(self.separate, problems, strict=True) if problem is not None}
 
     def http(self) -> aiohttp.ClientSession:
         """The aiohttp session for Triton's HTTP and metrics ports (made on first use, in the serving loop)."""

@@ -12,9 +12,8 @@ import tritonclient.grpc as grpcclient
 from helpers import frontdoor_http
 from helpers.front_door import FrontDoorThread, front_door_config
 from helpers.http_calls import MODEL, post, post_json
-from helpers.triton_server import start_tritonserver
+from helpers.triton_server import serve_models
 
-from omni_backend import repository
 from omni_backend.stages import tts_audio
 
 pytestmark = pytest.mark.server
@@ -29,21 +28,15 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour.
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("triton-chat")
-    repository.render_repository(root / "model_repository", models=CHAT_MODELS, dtype="float32",
-                                 kv_cache_bytes=32 * 1024 * 1024, max_num_seqs=4)
-    server = start_tritonserver(root)
-    yield server
-    server.stop()
+    with serve_models(tmp_path_factory.mktemp("triton-chat"), CHAT_MODELS, dtype="float32",
+                      kv_cache_bytes=32 * 1024 * 1024, max_num_seqs=4) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def tts_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("triton-tts")
-    repository.render_repository(root / "model_repository", models=["tts"])
-    server = start_tritonserver(root)
-    yield server
-    server.stop()
+    with serve_models(tmp_path_factory.mktemp("triton-tts"), ["tts"]) as server:
+        yield server
 
 
 def test_a_stage_on_its_own_server_and_its_death(chat_server, tts_server):

@@ -11,13 +11,18 @@ import sys
 import uvicorn
 
 from omni_backend.serving.app import create_app
-from omni_backend.serving.config import ServingConfig, origins
+from omni_backend.serving.config import ServingConfig, origins, stage_endpoints
 
 
 def parse_args(argv: list[str] | None = None) -> ServingConfig:
-    defaults = ServingConfig.from_env()
+    """The front door's settings from `argv` over the environment; a value a setting refuses ends the program
+    with its message (exit status 2, argparse's)."""
     parser = argparse.ArgumentParser(prog="python -m omni_backend.serving",
                                      description="OpenAI-compatible HTTP front door over Triton.")
+    try:
+        defaults = ServingConfig.from_env()
+    except ValueError as exc:
+        parser.error(str(exc))
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--triton-grpc", default=defaults.triton_grpc, help="Triton gRPC host:port")
@@ -34,15 +39,23 @@ def parse_args(argv: list[str] | None = None) -> ServingConfig:
                         help="browser origins CORS allows, comma-separated ('*': any; default none: CORS off)")
     parser.add_argument("--docs", action=argparse.BooleanOptionalAction, default=defaults.docs,
                         help="publish /openapi.json, /docs and /redoc (default: on)")
+    parser.add_argument("--stage-endpoints", default=None,
+                        help="stages on a tritonserver of their own: stage=host:port (gRPC), comma-separated; "
+                             "stages: tts, diffusion (default: OMNI_STAGE_ENDPOINTS, else none)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    config = ServingConfig(
-        triton_grpc=args.triton_grpc, triton_http=args.triton_http, triton_metrics_url=args.triton_metrics,
-        models=tuple(args.models or defaults.models), api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        max_concurrent_requests=args.max_concurrent_requests, graceful_shutdown_s=args.graceful_shutdown_s,
-        host=args.host, port=args.port, allowed_origins=origins(args.allowed_origins), admin_key=defaults.admin_key,
-        docs=args.docs,
-    )
+    try:
+        config = ServingConfig(
+            triton_grpc=args.triton_grpc, triton_http=args.triton_http, triton_metrics_url=args.triton_metrics,
+            models=tuple(args.models or defaults.models), api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+            max_concurrent_requests=args.max_concurrent_requests, graceful_shutdown_s=args.graceful_shutdown_s,
+            host=args.host, port=args.port, allowed_origins=origins(args.allowed_origins),
+            admin_key=defaults.admin_key, docs=args.docs,
+            stage_endpoints=defaults.stage_endpoints if args.stage_endpoints is None
+            else stage_endpoints(args.stage_endpoints),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     config.log_level = args.log_level
     return config
 

@@ -14,6 +14,7 @@
 | browser origins (CORS) | `--allowed-origins` (comma-separated, `*` any) | `OMNI_OPENAI_ALLOWED_ORIGINS` | none: CORS off |
 | operator key | (environment only) | `OMNI_ADMIN_KEY` | none: `/v2` admin APIs closed |
 | API docs | `--docs`, `--no-docs` | `OMNI_OPENAI_DOCS` (`FrontDoorSettings`) | true: `/openapi.json`, `/docs`, `/redoc` |
+| stages on other servers | `--stage-endpoints` | `OMNI_STAGE_ENDPOINTS` (`FrontDoorSettings`) | none: every stage on Triton gRPC |
 
 On SIGTERM/SIGINT the front door stops accepting connections at once and lets requests in flight (streams
 included) finish for up to the shutdown grace; whatever still runs then is cut.
@@ -25,7 +26,13 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from omni_backend.settings import SettingGroup, setting
+from omni_backend.settings import SettingGroup, declared, operator_name, parse_field, parse_text, setting
+
+# The stages the front door can reach on a tritonserver of their own, and the models it calls there:
+# tts: the `tts` stage (/v1/audio/speech and chat answers spoken with a voice); diffusion: the `text2image`
+# ensemble (diffusion -> png_encode, so both are served there) and the `diffusion` model's config (its limits).
+SEPARATE_STAGES = ("diffusion", "tts")
+_ENDPOINT = r"[A-Za-z0-9_]+=[^,=\s]+:[0-9]+"
 
 
 @dataclass(frozen=True)
@@ -35,19 +42,46 @@ class FrontDoorSettings(SettingGroup):
 
     docs: bool = setting(True, "the OpenAI front door publishes its API: /openapi.json (OpenAPI 3.1), /docs (Swagger "
                                "UI) and /redoc (docs/api.md); false: those paths are 404s")
+    stage_endpoints: str = setting(
+        "", "stages the front door reaches on a tritonserver of their own, as stage=host:port (its gRPC port), "
+            "comma-separated: tts (speech) and diffusion (images; text2image, diffusion and png_encode served "
+            "there); empty: every stage on the front door's Triton", name="stage_endpoints",
+        pattern=rf"(|{_ENDPOINT}(\s*,\s*{_ENDPOINT})*)",
+        forms="empty or comma-separated stage=host:port (e.g. tts=host:8001,diffusion=host2:8001)")
 
     PREFIX: ClassVar[str] = "openai_"  # the settings' names: openai_<field>, OMNI_OPENAI_<FIELD>
 
     @classmethod
     def from_env(cls, environ) -> "FrontDoorSettings":
-        """Defaults overridden by `OMNI_OPENAI_<FIELD>` variables of `environ`.
+        """Defaults overridden by the settings' variables in `environ` (`OMNI_OPENAI_<FIELD>`, or `OMNI_<NAME>`
+        for a setting with its own name).
 
         Raises:
             ValueError: a value the setting does not allow, naming the variable's setting.
         """
-        strings = {name.removeprefix("OMNI_").lower(): value for name, value in environ.items()
-                   if name.startswith("OMNI_" + cls.PREFIX.upper())}
-        return cls.from_strings(strings, cls.PREFIX)
+        values = {}
+        for f, spec in declared(cls):
+            name = operator_name(f, spec, cls.PREFIX)
+            text = environ.get("OMNI_" + name.upper(), "")
+            if text.strip():
+                values[f.name] = parse_text(text, spec, name)
+        return cls(**values)
+
+
+def stage_endpoints(text: str) -> dict[str, str]:
+    """`stage=host:port` pairs, comma-separated (the `stage_endpoints` setting), as stage -> `host:port`.
+
+    Raises:
+        ValueError: text not of that form, or a stage given twice (ServingConfig refuses stages it does not
+            know).
+    """
+    endpoints: dict[str, str] = {}
+    for pair in filter(None, parse_field(FrontDoorSettings, "stage_endpoints", text.strip()).split(",")):
+        stage, _, where = pair.strip().partition("=")
+        if stage in endpoints:
+            raise ValueError(f"setting stage_endpoints: stage {stage!r} is given twice")
+        endpoints[stage] = where
+    return endpoints
 
 
 def _env_int(environ, name: str, default: int) -> int:
@@ -79,6 +113,8 @@ class ServingConfig:
             it in the `omni-admin-key` header (tritonserver checks the same key). None: never forwarded.
         docs: publish the API: `/openapi.json` (OpenAPI 3.1), `/docs` (Swagger UI) and `/redoc`, open like
             `/health` (serving/openapi.py); False: they are 404s.
+        stage_endpoints: stage (one of SEPARATE_STAGES) -> the gRPC `host:port` of the tritonserver serving it,
+            for stages not on `triton_grpc` (`stage_endpoints()` parses the setting's text).
     """
 
     triton_grpc: str = "localhost:8001"
@@ -94,6 +130,7 @@ class ServingConfig:
     allowed_origins: tuple[str, ...] = ()
     admin_key: str | None = None
     docs: bool = FrontDoorSettings.docs
+    stage_endpoints: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -106,6 +143,14 @@ class ServingConfig:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         self.models = tuple(self.models)
         self.allowed_origins = tuple(self.allowed_origins)
+        unknown = sorted(set(self.stage_endpoints) - set(SEPARATE_STAGES))
+        if unknown:
+            raise ValueError(f"setting stage_endpoints: unknown stage {unknown[0]!r}; the stages that can run on a "
+                             f"server of their own: {', '.join(SEPARATE_STAGES)}")
+
+    def stage_grpc(self, stage: str) -> str:
+        """The gRPC `host:port` serving `stage`: its own endpoint, else `triton_grpc`."""
+        return self.stage_endpoints.get(stage, self.triton_grpc)
 
     @classmethod
     def from_env(cls, environ=None) -> "ServingConfig":
@@ -114,6 +159,7 @@ class ServingConfig:
         grpc_port = env.get("OMNI_GRPC_PORT") or "8001"
         http_port = env.get("OMNI_HTTP_PORT") or "8000"
         metrics_port = env.get("OMNI_METRICS_PORT") or "8002"
+        settings = FrontDoorSettings.from_env(env)
         models = [m.strip() for m in (env.get("OMNI_OPENAI_MODELS") or "omni_chat").split(",") if m.strip()]
         return cls(
             triton_grpc=env.get("OMNI_TRITON_GRPC") or f"localhost:{grpc_port}",
@@ -129,7 +175,8 @@ class ServingConfig:
             port=_env_int(env, "OMNI_OPENAI_PORT", cls.port),
             allowed_origins=origins(env.get("OMNI_OPENAI_ALLOWED_ORIGINS") or ""),
             admin_key=env.get("OMNI_ADMIN_KEY") or None,
-            docs=FrontDoorSettings.from_env(env).docs,
+            docs=settings.docs,
+            stage_endpoints=stage_endpoints(settings.stage_endpoints),
         )
 
 

@@ -105,6 +105,12 @@ def unavailable(message: str, retry_after: int | None = None) -> OpenAIError:
                        retry_after=retry_after or RETRY_AFTER_S)
 
 
+def stage_unreachable(stage: str, grpc_url: str, detail: str) -> OpenAIError:
+    """503 + Retry-After naming `stage`: gRPC found the tritonserver serving it at `grpc_url` unavailable (down,
+    unreachable or shutting down; `detail`: gRPC's words). Only the requests that need that stage get it."""
+    return unavailable(f"the {stage} stage is unavailable (its tritonserver at {grpc_url}): {detail}")
+
+
 def overloaded(limit: int) -> OpenAIError:
     """429 with Retry-After: the front door's own limit on requests in flight."""
     return OpenAIError(429, f"too many requests in flight (limit {limit}); retry shortly", "rate_limit_error",

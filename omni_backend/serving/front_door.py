@@ -3,6 +3,7 @@ requests in flight), metrics, the HTTP session to Triton, and the API key and op
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
 
@@ -10,7 +11,7 @@ import aiohttp
 from fastapi import Request
 
 from omni_backend.operator_key import ADMIN_KEY_HEADER
-from omni_backend.serving import errors
+from omni_backend.serving import errors, image_backend, speech_backend
 from omni_backend.serving.config import ServingConfig
 from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.image_backend import ImageBackend
@@ -32,9 +33,13 @@ class FrontDoor:
         self.session: aiohttp.ClientSession | None = None
         self.watch = StageWatch(self.http, config.triton_metrics_url)  # stages whose stub died (heartbeats)
         self.pipelines = {name: TritonPipeline(config.triton_grpc, name, self.watch) for name in config.models}
-        self.speech = SpeechBackend(config.triton_grpc)
+        self.speech = SpeechBackend(config.stage_grpc(speech_backend.STAGE))
         self.voice = VoiceBackend(config.triton_grpc)  # the served model's own voice, when it has a talker
-        self.images = ImageBackend(config.triton_grpc)
+        self.images = ImageBackend(config.stage_grpc(image_backend.STAGE))
+        # the stages on servers of their own, with the model whose readiness stands for each (`stage_problems`)
+        backends = {speech_backend.STAGE: (self.speech, speech_backend.TTS_MODEL),
+                    image_backend.STAGE: (self.images, image_backend.ENSEMBLE)}
+        self.separate = {stage: backends[stage] for stage in config.stage_endpoints}
         self.metrics = FrontDoorMetrics()
         self.in_flight = 0
         self.model_configs: dict[str, dict] = {}  # Triton model configs read for /v2 (routes/triton_v2.py)
@@ -44,6 +49,12 @@ class FrontDoor:
             await backend.close()
         if self.session is not None:
             await self.session.close()
+
+    async def stage_problems(self) -> dict[str, str]:
+        """stage -> why it cannot serve now, for each stage on a server of its own (`stage_endpoints`) that cannot;
+        each server is asked for at most READY_TIMEOUT_S (serving/triton_client.py), all at once."""
+        problems = await asyncio.gather(*(backend.model_problem(model) for backend, model in self.separate.values()))
+        return {stage: problem for stage, problem in zip(self.separate, problems, strict=True) if problem is not None}
 
     def http(self) -> aiohttp.ClientSession:
         """The aiohttp session for Triton's HTTP and metrics ports (made on first use, in the serving loop)."""

@@ -15,7 +15,7 @@ from omni_backend.serving.triton_client import TritonGrpcUser, infer_to_completi
 from omni_backend.stages.diffusion import ImageLimits
 
 ENSEMBLE = "text2image"
-STAGE = "diffusion"
+STAGE = "diffusion"  # also its name in the front door's `stage_endpoints` setting
 # The diffusion stage's tensors -> the OpenAI /v1/images/generations fields.
 _STAGE_FIELDS = {T.WIDTH: "size", T.HEIGHT: "size"}  # the stage's tensors -> the OpenAI field
 
@@ -32,7 +32,7 @@ class ImageBackend(TritonGrpcUser):
             try:
                 config = (await self.client.get_model_config(STAGE, as_json=True))["config"]
             except InferenceServerException as exc:
-                raise errors.unavailable(f"image generation is not available: {exc.message()}") from None
+                raise errors.stage_unreachable(STAGE, self.grpc_url, exc.message()) from None
             parameters = config_parameters(config)
             self._limits = ImageLimits.from_strings(parameters)
         return self._limits
@@ -41,7 +41,8 @@ class ImageBackend(TritonGrpcUser):
         """One image: (PNG bytes, seed used).
 
         Raises:
-            OpenAIError: 400 naming the field for the stage's INVALID_ARG, 503/500 otherwise.
+            OpenAIError: 400 naming the field for the stage's INVALID_ARG; 503 naming the stage when its
+                tritonserver is unavailable (down: gRPC fails the call at once); 503/500 otherwise.
         """
         inputs = []
         for name, datatype, value in (
@@ -60,6 +61,8 @@ class ImageBackend(TritonGrpcUser):
         try:
             result = await infer_to_completion(self.client, ENSEMBLE, inputs)  # never cancelled: see there
         except InferenceServerException as exc:
+            if exc.status() == "StatusCode.UNAVAILABLE":
+                raise errors.stage_unreachable(STAGE, self.grpc_url, exc.message()) from None
             raise errors.from_triton(exc.message(), exc.status(), None,
                                      lambda name: _STAGE_FIELDS.get(name, name)) from None
         return bytes(result.as_numpy(T.PNG).reshape(-1)[0]), int(result.as_numpy(T.USED_SEED).reshape(-1)[0])

@@ -295,7 +295,9 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"] = Field(description="degraded: a stage on a server of its own cannot serve; "
+                                                          "the served models can, the requests needing it get 503.")
+    stages_down: dict[str, str] | None = Field(None, description="stage -> why it cannot serve (degraded only).")
 
 
 class PrefixCacheReset(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 
@@ -14,6 +15,7 @@ from omni_backend.serving.triton_client import TritonGrpcUser, stream_one
 from omni_backend.stages.tts_options import SpeechOptions
 
 TTS_MODEL = "tts"
+STAGE = "tts"  # its name in the front door's `stage_endpoints` setting
 # The tts stage's fields -> the OpenAI /v1/audio/speech fields (its `text` is named by the caller).
 _OPTION_FIELDS = {"options.voice": "voice", "options.audio_format": "response_format", "options.speed": "speed"}
 
@@ -47,7 +49,8 @@ class SpeechBackend(TritonGrpcUser):
         Closing the iterator early cancels the request.
 
         Raises:
-            OpenAIError: 400 for the stage's INVALID_ARGUMENT (naming `field` for the text), 503/500 otherwise.
+            OpenAIError: 400 for the stage's INVALID_ARGUMENT (naming `field` for the text); 503 naming the stage
+                when its tritonserver is unavailable (down: gRPC fails the call at once); 503/500 otherwise.
         """
         tensors = []
         for name, value in ((T.TEXT, text), (T.OPTIONS, options.to_json())):
@@ -57,13 +60,18 @@ class SpeechBackend(TritonGrpcUser):
 
         request = {"model_name": self.model, "inputs": tensors, "request_id": request_id}
         finished = False
-        async for result in stream_one(
-                self.client, request, lambda message: errors.from_triton(
-                    message, None, None, lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name)),
-                lambda result: bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])):
-            finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
-            yield Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
-                        int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
+        try:
+            async for result in stream_one(
+                    self.client, request, lambda message: errors.from_triton(
+                        message, None, None, lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name)),
+                    lambda result: bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])):
+                finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
+                yield Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
+                            int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
+        except grpc.aio.AioRpcError as exc:  # the stream as a whole failed: no stage answered it
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                raise errors.stage_unreachable(STAGE, self.grpc_url, exc.details()) from None
+            raise errors.internal(f"the {self.model} stream failed: {exc.code().name}: {exc.details()}") from None
         if not finished:
             raise errors.internal(f"the {self.model} stream ended before its final response")
 

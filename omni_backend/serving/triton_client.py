@@ -10,10 +10,12 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException
 
 from omni_backend.serving.errors import invalid
 from omni_backend.vocabulary import tensor_value_problem
 
+READY_TIMEOUT_S = 2.0  # a readiness check waits no longer for a stage's server (one that is down must not stall it)
 _UNARY_CALLS: set[asyncio.Task] = set()  # unary calls running on after their caller was cancelled
 
 
@@ -103,6 +105,16 @@ class TritonGrpcUser:
         if self._client is None:
             self._client = aio.InferenceServerClient(self.grpc_url)
         return self._client
+
+    async def model_problem(self, model: str) -> str | None:
+        """Why `model` cannot serve now (its server does not answer within READY_TIMEOUT_S, or does not have it
+        ready), or None when it is ready."""
+        try:
+            if await self.client.is_model_ready(model, client_timeout=READY_TIMEOUT_S):
+                return None
+            return f"model {model} is not ready on the tritonserver at {self.grpc_url}"
+        except InferenceServerException as exc:
+            return f"the tritonserver at {self.grpc_url} does not answer: {exc.message()}"
 
     async def close(self) -> None:
         if self._client is not None:

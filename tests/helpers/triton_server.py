@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omni_backend import repository
 from omni_backend.launch.ports import free_ports
 from omni_backend.launch.tritonserver import TritonServer
 
@@ -16,3 +17,10 @@ def start_tritonserver(root: Path) -> TritonServer:
                           exit_timeout_s=5, log_file=root / "tritonserver.log", env={"TRITON_INTERPRET": None})
     server.start(ready_timeout_s=300)
     return server
+
+
+def serve_models(root: Path, models: list[str], **settings) -> TritonServer:
+    """Render `models` of model_repository/ with `settings` (repository settings) into `root / "model_repository"`
+    and start a tritonserver over them (`start_tritonserver`); the caller stops it."""
+    repository.render_repository(root / "model_repository", models=models, **settings)
+    return start_tritonserver(root)

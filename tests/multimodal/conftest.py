@@ -7,9 +7,8 @@ import threading
 import time
 
 import pytest
-from helpers.triton_server import start_tritonserver
+from helpers.triton_server import serve_models
 
-from omni_backend import repository
 from omni_backend.launch.ports import free_ports
 
 MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "audio_encoder", "media_embed",
@@ -18,10 +17,8 @@ MODELS = ["preprocess", "llm", "postprocess", "omni_chat", "vision_encoder", "au
 
 @pytest.fixture(scope="module")
 def mm_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("triton-mm")
-    repository.render_repository(root / "model_repository", models=MODELS, dtype="float32",
-                                 kv_cache_bytes=96 * 1024 * 1024, max_num_seqs=16)
-    server = start_tritonserver(root)
+    server = serve_models(tmp_path_factory.mktemp("triton-mm"), MODELS, dtype="float32",
+                          kv_cache_bytes=96 * 1024 * 1024, max_num_seqs=16)
     yield server
     server.stop()
 

@@ -22,7 +22,9 @@ models_router = APIRouter(dependencies=[Depends(require_api_key)])
                   responses=answers({"model": Health}, (503,)))
 async def health(request: Request):
     """200 when Triton and the models are ready, no unary stage was found dead and every stage's heartbeat is
-    fresh; else 503 naming why."""
+    fresh; else 503 naming why. A stage on a server of its own (`stage_endpoints`) that cannot serve makes it 200
+    "degraded" naming the stage: the served models still answer (a probe taking this front door out of service
+    would stop chat too), only the requests needing that stage get 503."""
     door = door_of(request)
     down = {stage: message for p in door.pipelines.values() for stage, message in p.down_stages.items()}
     if down:  # a unary stage's stub died (Triton keeps it READY and restarts no stub): pipeline.down_stages
@@ -36,7 +38,8 @@ async def health(request: Request):
     ready, reason = stages_ready(await triton_metrics(door.http(), door.config.triton_metrics_url))
     if not ready:
         raise errors.unavailable(reason)
-    return {"status": "ok"}
+    down = await door.stage_problems()
+    return {"status": "degraded", "stages_down": down} if down else {"status": "ok"}
 
 
 @router.api_route("/metrics", methods=GET, operation_id="metrics", summary="Prometheus metrics",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,9 @@ import jsonschema
 
 from omni_backend.serving.errors import invalid
 from omni_backend.serving.structured import Guide
+from omni_backend.serving.tool_parser import ToolCallParser
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
-_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
@@ -80,41 +79,13 @@ class ToolRequest:
             array["maxItems"] = 1
         return Guide("json_schema", json.dumps(array), "tools")
 
+    def parser(self) -> ToolCallParser:
+        """A parser of one answer's text into content and calls (serving/tool_parser.py), fed as it streams."""
+        return ToolCallParser(self.choice, self.parameters, self.name)
+
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """An answer's (content, tool calls in OpenAI's shape). Text that does not parse (an answer cut by
-        max_tokens) stays content, without calls."""
-        if self.choice == "named":
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [_call(self.name, text)]
-        if self.choice == "required":
-            try:
-                return None, [_call(item["name"], json.dumps(item["arguments"], ensure_ascii=False))
-                              for item in json.loads(text)]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                return text, []
-        calls, kept, start = [], [], 0
-        for match in _HERMES_CALL.finditer(text):
-            try:
-                item = json.loads(match.group(1))
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
-                    or item["name"] not in self.parameters \
-                    or not isinstance(item.get("arguments", {}), dict):
-                continue
-            calls.append(_call(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False)))
-            kept.append(text[start:match.start()])
-            start = match.end()
-        content = ("".join(kept) + text[start:]).strip() if calls else text
-        return content or None, calls
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+        """A whole answer's (content or None, tool calls in OpenAI's shape), as its stream assembles them."""
+        return ToolCallParser.parse(self.choice, self.parameters, self.name, text)
 
 
 def requested_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolRequest | None:

@@ -1,6 +1,8 @@
-"""Tool calling (serving/tools.py): tools and tool_choice checked and turned into a prompt input and a grammar,
-answers parsed into OpenAI tool calls (non-streamed and streamed, assembled by the openai client's stream
-helpers), and, through the real stack, `required` and named choices whose arguments always validate."""
+"""Tool calling (serving/tools.py, serving/tool_parser.py): tools and tool_choice checked and turned into a prompt
+input and a grammar, answers parsed into OpenAI tool calls, streamed as incremental deltas that assemble to the
+non-streamed answer however the text is cut, and, through the real stack, `required` and named choices whose
+arguments always validate and streamed calls that the openai client's stream helpers assemble to the non-streamed
+answer (required, named, auto)."""
 
 from __future__ import annotations
 
@@ -87,26 +89,77 @@ def test_hermes_blocks_naming_given_tools_become_calls_and_the_rest_stays_conten
     tools = requested_tools(TOOLS, "auto", None)
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
             '</tool_call>\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>\n'
-            '<tool_call>{"name": "get_time", "arguments": {"city": "Tokyo"}}</tool_call>')
+            '<tool_call>{"name": "get_time", "arguments": {"city": "To}kyo \\"x\\""}}</tool_call>')
     content, calls = tools.calls(text)
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"city": "Tokyo"})]
-    assert content == 'Let me check.\n\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"city": "To}kyo \\"x\\""}')]
+    # the whitespace before a call between two texts keeps them apart; around the last call it is dropped
+    assert content == 'Let me check.\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     assert len({c["id"] for c in calls}) == 2
-    assert tools.calls("Just text.") == ("Just text.", [])
+    assert tools.calls("Just text. <tool is a < sign  \n") == ("Just text. <tool is a < sign  \n", [])
     odd = '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>'  # a model's output, not a client fault
     assert tools.calls(odd) == (odd, [])
+    assert tools.calls('Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>  there')[0] == "Hi there"
 
 
 def test_required_and_named_answers_and_answers_cut_short():
     required = ToolRequest(tuple(TOOLS), "required", None, True)
-    content, calls = required.calls('[{"name": "get_time", "arguments": {"city": "Oslo"}}]')
+    content, calls = required.calls('[{"name": "get_time", "arguments": {"city": "Oslo"}}, '
+                                    '{"name": "get_weather", "arguments": {"city": "Rome]", "unit": "celsius"}}]')
     assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        ("get_time", '{"city": "Oslo"}')]
+        ("get_time", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome]", "unit": "celsius"}')]
+    # cut by max_tokens: before the first call's arguments, the text; within them, the call as far as it got
     assert required.calls('[{"name": "get_time", "argu') == ('[{"name": "get_time", "argu', [])
+    assert [c["function"] for c in required.calls('[{"name": "get_time", "arguments": {"ci')[1]] == [
+        {"name": "get_time", "arguments": '{"ci'}]
     named = ToolRequest(tuple(TOOLS), "named", "get_time", True)
     assert named.calls('{"city": "Oslo"}')[1][0]["function"] == {"name": "get_time", "arguments": '{"city": "Oslo"}'}
+
+
+def _assembled(parser, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Content and (name, arguments) of the calls as a client assembles the streamed deltas."""
+    content, calls = "", {}
+    for delta_content, deltas in [parser.feed(p) for p in pieces] + [parser.finish()]:
+        content += delta_content
+        for delta in deltas:
+            if "id" in delta:
+                assert delta["type"] == "function" and delta["index"] == len(calls)
+                calls[delta["index"]] = [delta["function"]["name"], ""]
+            calls[delta["index"]][1] += delta["function"]["arguments"]
+    return content or None, [tuple(call) for call in calls.values()]
+
+
+@pytest.mark.parametrize("choice, text, names", [
+    ("auto", ' Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "[To{kyo\\\\"}}\n</tool_call>',
+     ["get_weather", "get_time"]),
+    ("auto", 'No call: <tool_calls> <tool_call>{"name": "nope", "arguments": {}}</tool_call> <tool_c', []),
+    ("auto", 'Cut: <tool_call>\n{"name": "get_time", "arguments": {"city": "Os', ["get_time"]),
+    ("required", '[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": '
+                 '{"city": "A\\"]}", "unit": "fahrenheit"}}]', ["get_time", "get_weather"]),
+    ("required", '[{"name": "get_time", "argu', []),
+    ("named", '{"city": "Oslo", "unit": "celsius"}', ["get_weather"]),
+])
+def test_streamed_deltas_assemble_to_the_whole_answer_however_the_text_is_cut(choice, text, names):
+    tools = ToolRequest(tuple(TOOLS), choice, "get_weather" if choice == "named" else None, True)
+    content, calls = tools.calls(text)
+    whole = (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+    assert [name for name, _ in whole[1]] == names
+    assert _assembled(tools.parser(), [text]) == whole
+    for size in (1, 2, 3, 7):
+        assert _assembled(tools.parser(), [text[i:i + size] for i in range(0, len(text), size)]) == whole, size
+
+
+def test_a_call_goes_out_as_its_head_then_argument_fragments():
+    parser = ToolRequest(tuple(TOOLS), "auto", None, True).parser()
+    assert parser.feed("Checking <tool_") == ("Checking", [])  # a possible start of a call is held back
+    assert parser.feed('call>{"name": "get_time", ') == ("", [])
+    content, (head,) = parser.feed('"arguments": {"ci')
+    assert content == "" and head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_time", "arguments": '{"ci'}
+    assert parser.feed('ty": "Oslo"}}</tool_call>') == ("", [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}])
+    assert parser.finish() == ("", [])
 
 
 # --- through the stack --------------------------------------------------------------------------------------
@@ -126,20 +179,35 @@ def test_required_tool_calls_are_valid_greedy_and_sampled(openai_client):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+# a history that makes SmolLM2-135M call a tool (it copies the call it was shown)
+SHOWN = [{"role": "user", "content": "What is the weather in Rome?"},
+         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "20 degrees"},
+         {"role": "assistant", "content": "It is 20 degrees in Rome."},
+         {"role": "user", "content": "What is the weather in Paris?"}]
+
+
 @pytest.mark.server
-def test_named_tool_call_and_streamed_calls_assemble_to_the_same_answer(openai_client):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    whole = openai_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
-                                                  max_tokens=120, temperature=0)
-    call, = whole.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and whole.choices[0].finish_reason == "tool_calls"
-    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
-    with openai_client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
-                                                    max_tokens=120, temperature=0) as stream:
+@pytest.mark.parametrize("messages, tool_choice", [
+    (ASK, "required"), (ASK, {"type": "function", "function": {"name": "get_weather"}}), (SHOWN, "auto")],
+    ids=["required", "named", "auto"])
+def test_streamed_calls_assemble_to_the_non_streamed_answer(openai_client, messages, tool_choice):
+    fields = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+                  max_tokens=120, temperature=0)
+    whole = openai_client.chat.completions.create(**fields)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert calls and all(jsonschema.validate(json.loads(a), SCHEMAS[n]) is None for n, a in calls)
+    with openai_client.chat.completions.stream(**fields) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
         final = stream.get_final_completion()
-    streamed, = final.choices[0].message.tool_calls
-    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == calls
     assert final.choices[0].finish_reason == "tool_calls"
+    assert (final.choices[0].message.content or None) == whole.choices[0].message.content  # the first delta: ""
+    # incremental: the call's head, then its arguments in more than one fragment
+    fragments = [call.function.arguments for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert len(fragments) > 2 and fragments[0] is not None
 
 
 @pytest.mark.server

@@ -5,7 +5,8 @@ The design follows vLLM v1's structured-output path (`vllm/v1/structured_output/
 
 - A request names its grammar with SamplingParams' `guide_type` and `guide` (the TensorRT-LLM backend's
   `guided_decoding_guide_type` / `guided_decoding_guide`: `json` any JSON object, `json_schema`, `regex`,
-  `ebnf_grammar`). `check_guide` parses one without a tokenizer (a bad schema, regex or grammar is refused before
+  `ebnf_grammar`, and `structural_tag` as TensorRT-LLM's GuidedDecodingParams has it: xgrammar's structural tag,
+  free text until a trigger string, then the grammar of the tag it opens, as the tools of an `auto` tool choice). `check_guide` parses one without a tokenizer (a bad schema, regex or grammar is refused before
   the request is queued; the preprocess stage calls it).
 - `GrammarCompiler` compiles each distinct (type, guide) once, on one worker thread of its own, and keeps the
   compiled grammars (least recently used dropped past `cache_size`): the engine loop submits and goes on stepping
@@ -55,7 +56,7 @@ def _grammar(guide_type: str, guide: str | None) -> xgrammar.Grammar:
 
     Raises:
         InvalidSamplingParam (field `guide`): an invalid JSON schema (jsonschema's meta-schema check), a schema
-            feature xgrammar does not support, a regex or EBNF grammar that does not parse.
+            feature xgrammar does not support, a regex, EBNF grammar or structural tag that does not parse.
     """
     try:
         if guide_type == "json":
@@ -69,6 +70,8 @@ def _grammar(guide_type: str, guide: str | None) -> xgrammar.Grammar:
             return xgrammar.Grammar.from_json_schema(guide, any_whitespace=False, strict_mode=True)
         if guide_type == "regex":
             return xgrammar.Grammar.from_regex(guide)
+        if guide_type == "structural_tag":
+            return xgrammar.Grammar.from_structural_tag(guide)
         return xgrammar.Grammar.from_ebnf(guide)
     except json.JSONDecodeError as exc:
         raise InvalidSamplingParam(GUIDE_FIELD, f"is not valid JSON: {exc.msg} at position {exc.pos}") from None

@@ -13,6 +13,7 @@ import openai
 import pytest
 from helpers.front_door import MODEL
 
+from omni_backend.engine.structured_output import check_guide
 from omni_backend.serving import protocol
 from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.tools import ToolRequest, requested_tools
@@ -39,8 +40,13 @@ def _request(**fields) -> protocol.ChatCompletionRequest:
 
 def test_tools_become_a_prompt_input_and_required_or_named_a_grammar():
     auto = _request(tools=TOOLS).generation()
-    assert json.loads(auto.prompts[0].template["tools"]) == TOOLS and auto.guide is None
-    assert auto.tools.choice == "auto"
+    assert json.loads(auto.prompts[0].template["tools"]) == TOOLS and auto.tools.choice == "auto"
+    tag = json.loads(auto.guide.guide)  # auto: free text, each call once opened its function's schema
+    assert auto.guide.guide_type == "structural_tag" and tag["format"]["triggers"] == ["<tool_call>"]
+    assert [(t["begin"], t["content"]["json_schema"], t["end"]) for t in tag["format"]["tags"]] == [
+        (f'<tool_call>\n{{"name": "{name}", "arguments": ', schema, "}\n</tool_call>") for name, schema in SCHEMAS.items()]
+    check_guide(auto.guide.guide_type, auto.guide.guide)
+    assert _request(tools=TOOLS, response_format={"type": "json_object"}).generation().guide.guide_type == "json"
     required = _request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).generation()
     schema = json.loads(required.guide.guide)
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
@@ -131,13 +137,13 @@ def _assembled(parser, pieces: list[str]) -> tuple[str | None, list[tuple[str, s
 
 
 @pytest.mark.parametrize("choice, text, names", [
-    ("auto", ' Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "[To{kyo\\\\"}}\n</tool_call>',
+    ("auto", (' Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "[To{kyo\\\\"}}\n</tool_call>'),
      ["get_weather", "get_time"]),
     ("auto", 'No call: <tool_calls> <tool_call>{"name": "nope", "arguments": {}}</tool_call> <tool_c', []),
     ("auto", 'Cut: <tool_call>\n{"name": "get_time", "arguments": {"city": "Os', ["get_time"]),
-    ("required", '[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": '
-                 '{"city": "A\\"]}", "unit": "fahrenheit"}}]', ["get_time", "get_weather"]),
+    ("required", ('[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": '
+                  '{"city": "A\\"]}", "unit": "fahrenheit"}}]'), ["get_time", "get_weather"]),
     ("required", '[{"name": "get_time", "argu', []),
     ("named", '{"city": "Oslo", "unit": "celsius"}', ["get_weather"]),
 ])
@@ -179,12 +185,10 @@ def test_required_tool_calls_are_valid_greedy_and_sampled(openai_client):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-# a history that makes SmolLM2-135M call a tool (it copies the call it was shown)
+# a history that makes SmolLM2-135M call a tool in `auto` (it copies the call it was shown)
 SHOWN = [{"role": "user", "content": "What is the weather in Rome?"},
          {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
              "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "20 degrees"},
-         {"role": "assistant", "content": "It is 20 degrees in Rome."},
          {"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -193,8 +197,8 @@ SHOWN = [{"role": "user", "content": "What is the weather in Rome?"},
     (ASK, "required"), (ASK, {"type": "function", "function": {"name": "get_weather"}}), (SHOWN, "auto")],
     ids=["required", "named", "auto"])
 def test_streamed_calls_assemble_to_the_non_streamed_answer(openai_client, messages, tool_choice):
-    fields = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
-                  max_tokens=120, temperature=0)
+    fields = {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": tool_choice,
+              "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}
     whole = openai_client.chat.completions.create(**fields)
     assert whole.choices[0].finish_reason == "tool_calls"
     calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]

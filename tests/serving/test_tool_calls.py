@@ -200,7 +200,7 @@ def test_streamed_calls_assemble_to_the_non_streamed_answer(openai_client, messa
     fields = {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": tool_choice,
               "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}
     whole = openai_client.chat.completions.create(**fields)
-    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0].message
     calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     assert calls and all(jsonschema.validate(json.loads(a), SCHEMAS[n]) is None for n, a in calls)
     with openai_client.chat.completions.stream(**fields) as stream:

@@ -203,6 +203,8 @@ def test_a_request_waits_for_its_grammar_while_the_others_step(engine, monkeypat
 
 def test_each_distinct_guide_compiles_once(smollm2_path, engine):
     compiler = GrammarCompiler(engine.tokenizer, engine.grammars.vocab_size, [2])
+    compiler.ready.result(timeout=120)  # the vocabulary is read at construction, before any request asks
+    assert compiler.num_requests == 0
     first = compiler.submit("regex", "[0-9]+")
     assert compiler.submit("regex", "[0-9]+") is first
     assert compiler.submit("json", "ignored") is compiler.submit("json", None)

@@ -12,16 +12,16 @@ import json
 import jsonschema
 import openai
 import pytest
+from helpers.front_door import MODEL
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
-from helpers.front_door import MODEL
 
 from omni_backend.engine.structured_output import check_guide
 from omni_backend.serving import protocol
+from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.generation import Choice, Generation
 from omni_backend.serving.pipeline import Prepared, Step
 from omni_backend.serving.responses import chat_message, stream_events
-from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.tools import ToolRequest, requested_tools
 
 WEATHER = {"type": "function", "function": {

@@ -15,8 +15,8 @@ ADD_GENERATION_PROMPT = "add_generation_prompt"  # BOOL [1]: the chat template o
 CONTINUE_FINAL_MESSAGE = "continue_final_message"  # BOOL [1]: the prompt ends inside the last assistant message
 TOOLS = "tools"  # BYTES [1]: a JSON array of OpenAI tool definitions shown to the model (preprocess)
 # structured output, as TensorRT-LLM's backend names them (vocabulary.SAMPLING_FIELDS' guide_type and guide)
-GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # BYTES [1]: json, json_schema, regex or ebnf_grammar
-GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # BYTES [1]: the schema, regex or grammar
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # BYTES [1]: json, json_schema, regex, ebnf_grammar or structural_tag
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # BYTES [1]: the schema, regex, grammar or structural tag
 
 # preprocess -> llm
 INPUT_IDS = "input_ids"  # INT32 [n]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 """Grammar kinds (TensorRT-LLM's `guided_decoding_guide_type` values; engine/structured_output.py)."""
 MAX_GUIDE_CHARS = 65536
 """Longest guide (a schema, regex or grammar), characters: bounds what one request can make the compiler do."""
@@ -107,7 +107,8 @@ class SamplingParams:
             the prompt and every generated token fed back (engine/hidden_states.py; what a talker reads).
         guide_type: constrain the output to a grammar (engine/structured_output.py): one of GUIDE_TYPES, None for
             free text. "json" is any JSON object (a guide given with it is ignored).
-        guide: the grammar: a JSON schema (as JSON text), a regex or an EBNF grammar (xgrammar's dialect).
+        guide: the grammar: a JSON schema (as JSON text), a regex, an EBNF grammar (xgrammar's dialect) or an
+            xgrammar structural tag (JSON text: free text with grammars triggered by strings, as tool calls are).
     """
 
     max_tokens: int = 16

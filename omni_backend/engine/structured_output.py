@@ -5,7 +5,8 @@ The design follows vLLM v1's structured-output path (`vllm/v1/structured_output/
 
 - A request names its grammar with SamplingParams' `guide_type` and `guide` (the TensorRT-LLM backend's
   `guided_decoding_guide_type` / `guided_decoding_guide`: `json` any JSON object, `json_schema`, `regex`,
-  `ebnf_grammar`). `check_guide` parses one without a tokenizer (a bad schema, regex or grammar is refused before
+  `ebnf_grammar`, and `structural_tag` as TensorRT-LLM's GuidedDecodingParams has it: xgrammar's structural tag,
+  free text until a trigger string, then the grammar of the tag it opens, as the tools of an `auto` tool choice). `check_guide` parses one without a tokenizer (a bad schema, regex or grammar is refused before
   the request is queued; the preprocess stage calls it).
 - `GrammarCompiler` compiles each distinct (type, guide) once, on one worker thread of its own, and keeps the
   compiled grammars (least recently used dropped past `cache_size`): the engine loop submits and goes on stepping
@@ -55,7 +56,7 @@ def _grammar(guide_type: str, guide: str | None) -> xgrammar.Grammar:
 
     Raises:
         InvalidSamplingParam (field `guide`): an invalid JSON schema (jsonschema's meta-schema check), a schema
-            feature xgrammar does not support, a regex or EBNF grammar that does not parse.
+            feature xgrammar does not support, a regex, EBNF grammar or structural tag that does not parse.
     """
     try:
         if guide_type == "json":
@@ -69,6 +70,8 @@ def _grammar(guide_type: str, guide: str | None) -> xgrammar.Grammar:
             return xgrammar.Grammar.from_json_schema(guide, any_whitespace=False, strict_mode=True)
         if guide_type == "regex":
             return xgrammar.Grammar.from_regex(guide)
+        if guide_type == "structural_tag":
+            return xgrammar.Grammar.from_structural_tag(guide)
         return xgrammar.Grammar.from_ebnf(guide)
     except json.JSONDecodeError as exc:
         raise InvalidSamplingParam(GUIDE_FIELD, f"is not valid JSON: {exc.msg} at position {exc.pos}") from None
@@ -102,6 +105,7 @@ class GrammarCompiler:
         cache_size: compiled grammars kept.
 
     Attributes:
+        ready: the future of the compiler's preparation (xgrammar's TokenizerInfo), started at construction.
         num_requests: grammars asked for; num_cache_hits: of them, found compiled or compiling.
         compile_seconds: durations of finished compiles not yet taken by `take_compile_seconds` (metrics).
     """
@@ -109,8 +113,12 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = CACHE_SIZE):
         self._tokenizer, self._stop_token_ids = tokenizer, sorted(stop_token_ids)
         self.vocab_size = vocab_size
-        self._compiler: xgrammar.GrammarCompiler | None = None  # made by the first compile, on the worker thread
+        self._compiler: xgrammar.GrammarCompiler | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        # the tokenizer's vocabulary as xgrammar reads it, read now on the compile thread (0.1 s for SmolLM2's 49k
+        # tokens on an idle core, 0.5 s on a busy one): the engine starts without waiting for it, and the first
+        # constrained request does not pay for it (the thread runs it before any compile)
+        self.ready = self._executor.submit(self._make_compiler)
         self._cache: OrderedDict[tuple[str, str | None], Future] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_size = cache_size
@@ -140,14 +148,15 @@ class GrammarCompiler:
         with self._lock:
             self._cache.pop((guide_type, None if guide_type == "json" else guide), None)
 
+    def _make_compiler(self) -> None:
+        info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self._stop_token_ids)
+        # one compile thread, and xgrammar's own pool inside a compile at 1 too: the engine's step owns the other
+        # cores (a second thread gained nothing measurable on a busy 2-core machine); our cache is `_cache`
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
     def _compile(self, guide_type: str, guide: str | None) -> xgrammar.CompiledGrammar:
-        if self._compiler is None:
-            # the tokenizer's vocabulary as xgrammar reads it (about 0.1 s for 49k tokens): only for an engine that
-            # gets a constrained request; one compile thread, and xgrammar's own pool inside a compile at 1 too
-            # (the engine's step owns the other cores)
-            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self._stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.ready.result()  # done (the same thread ran it first); raises what reading the vocabulary raised
         start = time.perf_counter()
         compiled = self._compiler.compile_grammar(_grammar(guide_type, guide))
         elapsed = time.perf_counter() - start

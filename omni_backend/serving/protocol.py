@@ -280,7 +280,7 @@ class ChatCompletionRequest(_Request):
         if self.functions:
             raise invalid("functions is not supported by this server (use tools)", "functions")
         tools = self.tool_request()
-        if tools is not None and tools.guide() is not None and self.guide() is not None:
+        if tools is not None and tools.choice in ("required", "named") and self.guide() is not None:
             raise invalid("tool_choice \"required\" or a named function cannot be combined with response_format or "
                           "structured_outputs", "tool_choice")
         if not self.spoken and self.modalities and set(self.modalities) - {"text"}:

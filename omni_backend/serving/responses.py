@@ -15,6 +15,7 @@ from omni_backend.serving.errors import OpenAIError
 from omni_backend.serving.generation import ChoiceResult, Generation, GenerationRequest
 from omni_backend.serving.speech_backend import Audio
 from omni_backend.serving.spoken import SpokenAnswer
+from omni_backend.serving.tool_parser import ToolCallParser
 
 SYSTEM_FINGERPRINT = "fp_omni_backend"
 
@@ -54,14 +55,19 @@ def usage(request: GenerationRequest, prompt_tokens: list[int], completion_token
 
 def chat_message(request: GenerationRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
     """A chat choice's message and finish reason: the text as content, or, for a request with tools whose answer
-    holds tool calls (serving/tools.py), the calls and what text is left, with finish_reason "tool_calls"."""
+    holds tool calls (serving/tool_parser.py), the calls and what text is left (`tool_finish_reason`)."""
     message = {"role": "assistant", "content": text}
-    if request.tools is None or not request.tools.parses or finish_reason != "stop":
+    if request.tools is None or not request.tools.parses:
         return message, finish_reason
     content, calls = request.tools.calls(text)
-    if not calls:
+    if not calls:  # the content is then the whole text
         return message, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, tool_finish_reason(calls, finish_reason)
+
+
+def tool_finish_reason(calls: list, finish_reason: str | None) -> str | None:
+    """"tool_calls" for an answer that ended ("stop") with calls; any other end (max_tokens) stays as it is."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def completion_object(request: GenerationRequest, generation: Generation, results: list[ChoiceResult],
@@ -94,8 +100,8 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
     """Server-sent events for a streamed answer: one chunk per delta, then usage (if asked), then [DONE].
 
     `spoken`: a chat answer spoken too (its text deltas, audio deltas and finish as SpokenAnswer shapes them).
-    A chat answer that may hold tool calls is held back until it ends, then sent as its content and one
-    `tool_calls` delta (serving/tools.py). An error after the first chunk is sent as an `{"error": ...}` event
+    A chat answer that may hold tool calls streams its content and `tool_calls` deltas as its parser reads them
+    (serving/tool_parser.py). An error after the first chunk is sent as an `{"error": ...}` event
     (the status line is already out).
     """
     created = protocol.now()
@@ -118,7 +124,8 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
     cached_tokens = {c.index: 0 for c in generation.choices}
     text_offset = {c.index: 0 for c in generation.choices}
     echoed = {c.index: not request.echo for c in generation.choices}
-    held = {c.index: ([], []) for c in generation.choices} if request.tools and request.tools.parses else None
+    parsers = ({c.index: request.tools.parser() for c in generation.choices}
+               if request.tools and request.tools.parses else None)
     try:
         if chat:
             first = {"role": "assistant", "content": "" if spoken is None else None}  # spoken: no text content
@@ -134,8 +141,8 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
             cached_tokens[i] = step.cached_tokens
             if step.finish_reason and step.prompt_tokens:
                 prompt_tokens[i] = step.prompt_tokens
-            if chat and held is not None:
-                for event in _held_answer(request, held[i], step, chat_chunk, i):
+            if chat and parsers is not None:
+                for event in _tool_answer(parsers[i], step, chat_chunk, i):
                     yield event
                 continue
             if chat:
@@ -172,18 +179,17 @@ async def stream_events(request: GenerationRequest, generation: Generation, requ
         await generation.close()
 
 
-def _held_answer(request: GenerationRequest, held: tuple[list[str], list[dict]], step, chat_chunk, index: int):
-    """The chunks of a chat choice held back for tool calls: nothing until its last step, then its content (with
-    the logprobs), its calls as one `tool_calls` delta, and the finish chunk."""
-    texts, logprobs = held
-    texts.append(step.text)
-    logprobs.extend(step.logprobs or [])
-    if not step.finish_reason:
-        return
-    message, finish_reason = chat_message(request, "".join(texts), step.finish_reason)
-    if message["content"] or logprobs:
-        yield chat_chunk(index, {"content": message["content"] or ""},
-                         chat_logprobs(logprobs if request.logprobs is not None else None))
-    if "tool_calls" in message:
-        yield chat_chunk(index, {"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
-    yield chat_chunk(index, {}, None, finish_reason)
+def _tool_answer(parser: ToolCallParser, step, chat_chunk, index: int):
+    """The chunks of one step of a chat choice that may hold tool calls: its content and `tool_calls` deltas (with
+    the step's logprobs), then, at its end, the finish chunk."""
+    content, calls = parser.feed(step.text)
+    if step.finish_reason:
+        more_content, more_calls = parser.finish()
+        content, calls = content + more_content, calls + more_calls
+    delta = {"content": content} if content or (step.logprobs and not calls) else {}
+    if calls:
+        delta["tool_calls"] = calls
+    if delta:
+        yield chat_chunk(index, delta, chat_logprobs(step.logprobs))
+    if step.finish_reason:
+        yield chat_chunk(index, {}, None, tool_finish_reason(parser.calls, step.finish_reason))

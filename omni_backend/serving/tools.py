@@ -11,19 +11,20 @@ As vLLM's OpenAI server does it (its tool parsers and `tool_choice` handling, re
   the arguments always validate against the function's schema.
 - `auto` (the default with tools) is free text, parsed Hermes-style: each `<tool_call>{"name", "arguments"}
   </tool_call>` block naming a given tool becomes a call, the rest of the text is the content (vLLM's `hermes`
-  parser's format, which Qwen2/Qwen2.5 and the default rendering use).
+  parser's format, which Qwen2/Qwen2.5 and the default rendering use). It is constrained once the model opens a
+  call, as vLLM does for hermes with xgrammar's structural tags: free text until `<tool_call>`, then
+  `\n{"name": "<a given function>", "arguments": <its parameters' schema>}\n</tool_call>` (guide type
+  `structural_tag`). With `response_format` or `structured_outputs` that grammar constrains the answer instead.
 - `none` shows the tools and leaves the answer as text.
 
-An answer with calls has `finish_reason: "tool_calls"`; streamed, its calls come as one `delta.tool_calls` chunk
-at the end (each call whole: index, id, type, name, arguments), which the openai client's stream helpers assemble
-as they do OpenAI's.
+An answer with calls has `finish_reason: "tool_calls"`; streamed, its calls come as incremental `delta.tool_calls`
+(serving/tool_parser.py), which the openai client's stream helpers assemble as they do OpenAI's.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,9 @@ import jsonschema
 
 from omni_backend.serving.errors import invalid
 from omni_backend.serving.structured import Guide
+from omni_backend.serving.tool_parser import CLOSE, TRIGGER, ToolCallParser
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
-_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
@@ -68,9 +69,11 @@ class ToolRequest:
         return json.dumps(list(self.tools), ensure_ascii=False)
 
     def guide(self) -> Guide | None:
-        """The grammar of a `required` or named choice (module docstring), None for `auto` and `none`."""
+        """The grammar of a `required`, named or `auto` choice (module docstring), None for `none`."""
         if self.choice == "named":
             return Guide("json_schema", json.dumps(self.parameters[self.name]), "tools")
+        if self.choice == "auto":
+            return Guide("structural_tag", json.dumps(self._hermes_tag()), "tools")
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "arguments": schema},
@@ -80,41 +83,24 @@ class ToolRequest:
             array["maxItems"] = 1
         return Guide("json_schema", json.dumps(array), "tools")
 
+    def _hermes_tag(self) -> dict:
+        """xgrammar's structural tag of Hermes calls: free text until `<tool_call>`, then a given function's head
+        and arguments (its parameters' schema) up to `</tool_call>`; at most one call without parallel calls.
+        Within the arguments at most one whitespace character in a row: a small model could otherwise write
+        whitespace until max_tokens."""
+        tags = [{"type": "tag", "begin": f'{TRIGGER}\n{{"name": "{name}", "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+                 "end": f"}}\n{CLOSE}"} for name, schema in self.parameters.items()]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
+                                                     "stop_after_first": not self.parallel}}
+
+    def parser(self) -> ToolCallParser:
+        """A parser of one answer's text into content and calls (serving/tool_parser.py), fed as it streams."""
+        return ToolCallParser(self.choice, self.parameters, self.name)
+
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """An answer's (content, tool calls in OpenAI's shape). Text that does not parse (an answer cut by
-        max_tokens) stays content, without calls."""
-        if self.choice == "named":
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [_call(self.name, text)]
-        if self.choice == "required":
-            try:
-                return None, [_call(item["name"], json.dumps(item["arguments"], ensure_ascii=False))
-                              for item in json.loads(text)]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                return text, []
-        calls, kept, start = [], [], 0
-        for match in _HERMES_CALL.finditer(text):
-            try:
-                item = json.loads(match.group(1))
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
-                    or item["name"] not in self.parameters \
-                    or not isinstance(item.get("arguments", {}), dict):
-                continue
-            calls.append(_call(item["name"], json.dumps(item.get("arguments", {}), ensure_ascii=False)))
-            kept.append(text[start:match.start()])
-            start = match.end()
-        content = ("".join(kept) + text[start:]).strip() if calls else text
-        return content or None, calls
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+        """A whole answer's (content or None, tool calls in OpenAI's shape), as its stream assembles them."""
+        return ToolCallParser.parse(self.choice, self.parameters, self.name, text)
 
 
 def requested_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolRequest | None:

@@ -1,7 +1,8 @@
 """Grammar-constrained decoding (engine/structured_output.py) with the real SmolLM2: the bitmask touches only the
 constrained rows, unconstrained requests keep their exact greedy tokens beside constrained ones, nested JSON schema
 outputs parse and validate (jsonschema), regex/EBNF outputs match, a request waits for its grammar without holding
-up the others, and bad guides end their request with an error naming the guide."""
+up the others, `auto` tool calls are constrained once the model opens one (structural tag), and bad guides end their
+request with an error naming the guide."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import re
 import jsonschema
 import pytest
 import torch
-from helpers.chat_prompt import chat_ids
+from helpers.chat_prompt import chat_ids, tool_chat_ids
 
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import MAX_GUIDE_CHARS, InvalidSamplingParam, SamplingParams
 from omni_backend.engine.structured_output import GrammarCompiler, apply_grammar_bitmask, check_guide, matcher
+from omni_backend.serving.tools import requested_tools
 from omni_backend.stages.llm.core import EngineCore
 from omni_backend.stages.llm.messages import AddRequest
 from omni_backend.vocabulary import ErrorKind, StageError
@@ -43,7 +45,7 @@ PROMPTS = ["Describe a person as JSON.", "Give me a user record.", "Who lives in
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", kv_cache_bytes=32 << 20,
+    return LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", kv_cache_bytes=64 << 20,
                                   max_num_seqs=8, max_model_len=512))
 
 
@@ -133,6 +135,48 @@ def test_preempted_constrained_sequences_keep_their_matcher(smollm2_path, engine
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
 
 
+# get_weather wants `days`, which the call shown in the history lacks: SmolLM2-135M copies that call, and only the
+# grammar makes it add `days`
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+
+
+def _shown_a_call(city: str) -> list[dict]:
+    return [{"role": "user", "content": "What is the weather in Rome?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+            {"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+def test_auto_tool_calls_are_free_text_until_opened_then_follow_the_schema(engine):
+    tools = requested_tools([WEATHER, TIME], "auto", False)
+    guide = tools.guide()
+    assert guide.guide_type == "structural_tag"
+    prompts = [tool_chat_ids(engine.tokenizer, _shown_a_call(city), [WEATHER, TIME]) for city in ("Paris", "Oslo")]
+    alone, = engine.generate(prompts[:1], SamplingParams(max_tokens=64, temperature=0.0))
+    _, (call,) = tools.calls(alone.text)
+    assert "days" not in json.loads(call["function"]["arguments"])  # unconstrained: the shown call's form
+    params = [SamplingParams(max_tokens=64, temperature=0.0, guide_type=guide.guide_type, guide=guide.guide)] * 2 + [
+        SamplingParams(max_tokens=64, temperature=1.0, seed=seed, guide_type=guide.guide_type, guide=guide.guide)
+        for seed in range(2)]
+    outputs = engine.generate(prompts * 2, params)
+    for out in outputs:
+        content, calls = tools.calls(out.text)
+        assert out.finish_reason == "stop" and len(calls) == 1 and content is None, out.text
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]),
+                            {"get_weather": WEATHER, "get_time": TIME}[calls[0]["function"]["name"]]
+                            ["function"]["parameters"])
+    # free text before a call stays free: a prompt that gets no call gets the model's own words
+    chat, = engine.generate([_chat(engine, "Hello!")], [params[0]])
+    assert chat.text == engine.generate([_chat(engine, "Hello!")], SamplingParams(max_tokens=64,
+                                                                                   temperature=0.0))[0].text
+
+
 # --- compiling ------------------------------------------------------------------------------------------------
 
 def test_a_request_waits_for_its_grammar_while_the_others_step(engine, monkeypatch):
@@ -159,6 +203,8 @@ def test_a_request_waits_for_its_grammar_while_the_others_step(engine, monkeypat
 
 def test_each_distinct_guide_compiles_once(smollm2_path, engine):
     compiler = GrammarCompiler(engine.tokenizer, engine.grammars.vocab_size, [2])
+    compiler.ready.result(timeout=120)  # the vocabulary is read at construction, before any request asks
+    assert compiler.num_requests == 0
     first = compiler.submit("regex", "[0-9]+")
     assert compiler.submit("regex", "[0-9]+") is first
     assert compiler.submit("json", "ignored") is compiler.submit("json", None)

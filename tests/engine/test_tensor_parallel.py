@@ -2,7 +2,8 @@
 on SmolLM2 (3 KV heads: an uneven 2 + 1 split) and on the tiny Qwen2 (QKV bias, untied head), through batched,
 chunked prefills, prefix-cache hits and preemptions; the second rank is gone after `close` and when rank 0 is
 killed; a second rank that dies fails the next request at once and takes the engine out of service; a rank > 0
-builds no output head; and what cannot shard is refused."""
+builds no output head; a stage that fails after building its engine leaves no rank behind; and what cannot
+shard is refused."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import pytest
 import torch
 from helpers.list_sink import ListSink
-from helpers.processes import gone, running
+from helpers.processes import descendants, gone, running
 from transformers import AutoConfig
 
 from omni_backend.engine.attention.selector import select_attention
@@ -25,6 +26,7 @@ from omni_backend.engine.models.qwen2 import Qwen2ForCausalLM
 from omni_backend.engine.models.registry import HF_LANGUAGE_MODEL_PREFIXES
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.tensor_parallel import HeadShard, Shard
+from omni_backend.stages.llm.build import create_service
 from omni_backend.stages.llm.service import LLMService
 from omni_backend.vocabulary import ErrorKind
 
@@ -156,3 +158,18 @@ def test_a_rank_without_the_output_head_holds_no_head(tiny_qwen2_path):
     assert model.packed_lm_head is None
     with pytest.raises(RuntimeError, match="without its output head"):
         model.compute_logits(torch.zeros(1, config.hidden_size))
+
+
+def test_a_stage_that_fails_after_building_its_engine_leaves_no_rank_running(tiny_qwen2_path):
+    """create_service closes the engine it built when a later part fails: here the kv_events port is taken."""
+    zmq = pytest.importorskip("zmq")
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://*")
+    try:
+        with pytest.raises(zmq.ZMQError):
+            create_service({"model_path": tiny_qwen2_path, "device": "cpu", "dtype": "float32",
+                            "num_kv_blocks": "8", "max_num_seqs": "4", "max_model_len": "128",
+                            "tensor_parallel_size": "2", "kv_events": f"tcp://*:{port}"})
+    finally:
+        taken.close(linger=0)
+    assert not [line for line in descendants(os.getpid()).values() if "spawn_main" in line]

@@ -120,6 +120,8 @@ class LLMEngine:
     Attributes:
         stalled: the last step found nothing to run although requests are held (each waits for an input row:
             `Sequence.inputs_ready`); the engine loop then sleeps until a message comes.
+        out_of_service: why the engine takes no more steps (None while it does): a step of an engine with
+            tensor-parallel ranks failed, so the ranks are out of step or gone; only a restart brings it back.
 
     Raises (constructor): what ModelRunner raises.
     """
@@ -138,6 +140,7 @@ class LLMEngine:
             raise
         self.scheduler = Scheduler(self.runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.stalled = False
+        self.out_of_service: str | None = None
         # requests whose grammar is compiling: (its future, when it was asked for), in arrival order
         self.awaiting_grammar: dict[str, tuple[concurrent.futures.Future, float]] = {}
         self.requests: dict[str, _RequestState] = {}
@@ -284,9 +287,14 @@ class LLMEngine:
         whose logits come out non-finite (NaN or Inf) ends alone, with finish_reason "error"; the others go on.
 
         Raises:
-            torch.OutOfMemoryError: a one-token step still runs out of memory, or any step of an engine with
-                tensor-parallel ranks (they cannot be brought back in step).
+            torch.OutOfMemoryError: a one-token step still runs out of memory.
+            Exception: what a step of an engine with tensor-parallel ranks raises (out of memory included): the
+                engine is then out of service (`out_of_service`), since the ranks cannot be brought back in step
+                (one may wait in an all-reduce of the failed step, or be dead).
+            RuntimeError: the engine is out of service (every later call).
         """
+        if self.out_of_service is not None:
+            raise RuntimeError(f"the llm engine is out of service: {self.out_of_service}")
         outputs = self._admit_compiled() if self.awaiting_grammar else []
         batch = self.scheduler.schedule()
         self.stalled = batch.empty and bool(self.requests) and not self.awaiting_grammar
@@ -298,10 +306,14 @@ class LLMEngine:
         self.num_steps += 1
         try:
             sampled, result = self.runner.execute(batch)
-        except torch.OutOfMemoryError:
+        except Exception as exc:
+            if self.runner.ranks is not None:  # the others may be waiting in this step's all-reduces, or dead
+                self.out_of_service = f"a tensor-parallel step failed ({type(exc).__name__}: {exc})"
+                raise
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
             self.runner.release_step_memory()
-            # with tensor-parallel ranks the step cannot be retried: the others may be waiting in its all-reduces
-            if self.runner.ranks is not None or not self.scheduler.shrink_token_budget():
+            if not self.scheduler.shrink_token_budget():
                 raise
             self.num_oom_recoveries += 1
             logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token "

@@ -12,7 +12,10 @@ the all-reduces), written here for this engine:
   calls are mirrored like the steps (nano-vllm writes its calls to shared memory and wakes each rank with an
   event; a pipe per rank costs a copy and also tells a rank that rank 0 is gone); each rank runs the same
   forward on its own KV cache, as many blocks as the cache rank 0 passed (its own KV heads only), and the ranks
-  meet at the all-reduces. Only rank 0 computes logits and samples (the output head is whole on every rank).
+  meet at the all-reduces. Only rank 0 computes logits and samples: the other ranks build no output head.
+
+A rank that has exited fails rank 0's next call at once (`mirror`). A failed step leaves the ranks out of step,
+so the engine takes no step after one (`LLMEngine.out_of_service`).
 
 Shutdown: `close` asks every rank to stop, joins it, terminates one that does not exit within STOP_WAIT_S and
 destroys the process group. The ranks are daemonic (multiprocessing terminates them when rank 0's interpreter
@@ -138,7 +141,8 @@ class _Rank:
         choice = select_attention(spec.attention_backend, device, heads.num_q, heads.num_kv, spec.head_dim,
                                   spec.dtype, spec.block_size, spec.kernel_dir)
         self.model = registry.load(spec.model).build(config, choice.backend, spec.max_positions, shard, spec.dtype,
-                                                     device, spec.model_path, spec.prefixes).eval()
+                                                     device, spec.model_path, spec.prefixes,
+                                                     head=False).eval()
         if spec.pack:
             self.model.pack_for_cpu(spec.max_num_seqs)
         self.plans = DecodePlans(choice.backend, spec.capture_sizes, heads.num_q, heads.num_kv, spec.head_dim,
@@ -250,10 +254,26 @@ class TensorParallelRanks:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def mirror(self, module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of rank 0's model: send this call to every other rank before rank 0 runs it."""
+        """Forward pre-hook of rank 0's model: send this call to every other rank before rank 0 runs it.
+
+        Raises:
+            RuntimeError: a rank has exited (nothing was sent: rank 0 would wait for it in the first all-reduce).
+        """
+        for rank, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {process.exitcode})")
         payload = pickle.dumps(("forward", ModelCall.of(args, kwargs)))
         for pipe in self._pipes:
             pipe.send_bytes(payload)
+
+    def terminate(self) -> None:
+        """Kill the other ranks now, so that a collective rank 0's thread is in fails instead of running on;
+        `close` follows once that thread has left it (destroying the group under a live collective is not safe).
+        """
+        for process in self._processes:
+            process.terminate()
+        for process in self._processes:
+            process.join()
 
     def close(self) -> None:
         """Stop the ranks (terminating one that does not exit in STOP_WAIT_S) and leave the process group;

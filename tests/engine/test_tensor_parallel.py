@@ -1,20 +1,34 @@
 """Tensor parallelism on CPU: two ranks (gloo, a spawned second process) give TP=1's greedy tokens in float32,
 on SmolLM2 (3 KV heads: an uneven 2 + 1 split) and on the tiny Qwen2 (QKV bias, untied head), through batched,
 chunked prefills, prefix-cache hits and preemptions; the second rank is gone after `close` and when rank 0 is
-killed; and what cannot shard is refused."""
+killed; a second rank that dies fails the next request at once and takes the engine out of service; a rank > 0
+builds no output head; a stage that fails after building its engine leaves no rank behind; and what cannot
+shard is refused."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from helpers.processes import gone, running
+import torch
+from helpers.list_sink import ListSink
+from helpers.processes import descendants, gone, running
+from transformers import AutoConfig
 
+from omni_backend.engine.attention.selector import select_attention
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
+from omni_backend.engine.models.qwen2 import Qwen2ForCausalLM
+from omni_backend.engine.models.registry import HF_LANGUAGE_MODEL_PREFIXES
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.tensor_parallel import HeadShard, Shard
+from omni_backend.stages.llm.build import create_service
+from omni_backend.stages.llm.service import LLMService
+from omni_backend.vocabulary import ErrorKind
 
 SYSTEM = "You answer questions about rivers, mountains and cities in one short sentence, politely. "
 QUESTIONS = ["Where is the Nile?", "How high is Mont Blanc?", "Which river runs through Paris?",
@@ -94,3 +108,68 @@ def test_what_cannot_shard_is_refused(tiny_qwen2_path):
         EngineConfig(model_path=tiny_qwen2_path, quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size 4 exceeds the model's 2 KV heads"):
         LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", tensor_parallel_size=4, **LIMITS))
+
+
+def test_a_dead_rank_fails_the_next_request_at_once_and_takes_the_engine_out_of_service(tiny_qwen2_path):
+    """Rank 1 killed between requests: the next request fails with UNAVAILABLE naming it (no hang in an
+    all-reduce), the engine loop ends (the heartbeat stops), later requests are refused and the engine takes no
+    step."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", tensor_parallel_size=2,
+                                    cpu_threads=2, **LIMITS))
+    service = LLMService(engine)
+    service.start()
+    try:
+        served = ListSink()
+        service.submit("before", [1, 2, 3], PARAMS, served)
+        assert served.done.wait(60) and served.outputs[-1].completion_tokens == PARAMS.max_tokens
+        rank_1 = engine.runner.ranks._processes[0]
+        os.kill(rank_1.pid, signal.SIGKILL)
+        rank_1.join()
+        failed = ListSink()
+        service.submit("after", [1, 2, 3], PARAMS, failed)
+        assert failed.done.wait(60) and not failed.outputs
+        assert failed.errors[0].kind is ErrorKind.UNAVAILABLE
+        assert "tensor-parallel rank 1 has exited (code -9)" in failed.errors[0].message
+        service.core.join(60)
+        assert not service.core.alive
+        ended = time.time()
+        assert service.heartbeat_time() < ended  # a live loop's heartbeat is now
+        refused = ListSink()
+        service.submit("later", [1, 2, 3], PARAMS, refused)
+        assert refused.done.wait(10) and refused.errors[0].kind is ErrorKind.UNAVAILABLE
+        with pytest.raises(RuntimeError, match="out of service: a tensor-parallel step failed"):
+            engine.step()
+    finally:
+        service.shutdown()
+    assert engine.runner.ranks is None
+
+
+def test_a_rank_without_the_output_head_holds_no_head(tiny_qwen2_path):
+    """What a rank > 0 builds (tp_ranks._Rank): no untied head, and no packed copy after packing."""
+    config = AutoConfig.from_pretrained(tiny_qwen2_path)
+    heads = Shard(1, 2).heads(config.num_attention_heads, config.num_key_value_heads)
+    head_dim = config.hidden_size // config.num_attention_heads
+    attention = select_attention("torch", torch.device("cpu"), heads.num_q, heads.num_kv, head_dim, torch.float32,
+                                 16, "").backend
+    model = Qwen2ForCausalLM.build(config, attention, 64, Shard(1, 2), torch.float32, torch.device("cpu"),
+                                   tiny_qwen2_path, HF_LANGUAGE_MODEL_PREFIXES, head=False)
+    assert model.lm_head is None
+    model.pack_for_cpu(4)
+    assert model.packed_lm_head is None
+    with pytest.raises(RuntimeError, match="without its output head"):
+        model.compute_logits(torch.zeros(1, config.hidden_size))
+
+
+def test_a_stage_that_fails_after_building_its_engine_leaves_no_rank_running(tiny_qwen2_path):
+    """create_service closes the engine it built when a later part fails: here the kv_events port is taken."""
+    zmq = pytest.importorskip("zmq")
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://*")
+    try:
+        with pytest.raises(zmq.ZMQError):
+            create_service({"model_path": tiny_qwen2_path, "device": "cpu", "dtype": "float32",
+                            "num_kv_blocks": "8", "max_num_seqs": "4", "max_model_len": "128",
+                            "tensor_parallel_size": "2", "kv_events": f"tcp://*:{port}"})
+    finally:
+        taken.close(linger=0)
+    assert not [line for line in descendants(os.getpid()).values() if "spawn_main" in line]

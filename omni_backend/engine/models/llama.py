@@ -126,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
+        self.has_head = True  # False on a tensor-parallel rank > 0, which never computes logits (see `build`)
         self.packed_lm_head: cpu_linear.PackedLinear | None = None  # see `pack_for_cpu`
         self.cpu_forward: CpuLlamaForward | None = None  # see `use_cpu_kernels`
         # float32 tables, kept out of the parameters so dtype casts leave them alone; see `place_rope_cache`
@@ -135,12 +136,16 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def build(cls, config, attention: AttentionBackend, max_positions: int, shard: Shard, dtype: torch.dtype,
-              device: torch.device, model_path: str, prefixes: tuple[str, ...]) -> LlamaForCausalLM:
+              device: torch.device, model_path: str, prefixes: tuple[str, ...],
+              head: bool = True) -> LlamaForCausalLM:
         """The model (`shard`'s part of it) built on the meta device, cast there (free), then materialised on
         `device` in `dtype` and loaded (`load_weights`): device memory never holds a float32 copy of bf16/fp16
-        weights."""
+        weights. `head` False: without the output head (an untied one is neither allocated nor loaded, and
+        `compute_logits` raises), for a tensor-parallel rank > 0, which only runs the decoder."""
         with torch.device("meta"):
             model = cls(config, attention, max_positions, shard)
+            if not head:
+                model.lm_head, model.has_head = None, False
         model = model.to(dtype).to_empty(device=device)
         model.place_rope_cache(device)
         model.load_weights(model_path, prefixes)
@@ -174,11 +179,13 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self, expected_rows: int) -> None:
         """Replace every projection and the output head by `cpu_linear.PackedLinear` (after `load_weights`, on
         the CPU). A tied head gets its own packed copy of the embedding table ([vocab, hidden], the model's dtype);
-        an untied one is dropped after packing."""
+        an untied one is dropped after packing. A model built without its head (`build`) packs none."""
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 linear = getattr(layer, name)
                 setattr(layer, name, cpu_linear.PackedLinear(linear.weight, linear.bias, expected_rows))
+        if not self.has_head:
+            return
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = cpu_linear.PackedLinear(head, None, expected_rows)
         self.lm_head = None  # an untied head's plain weight is no longer read
@@ -193,7 +200,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab] float32."""
+        """hidden [N, hidden_size] -> logits [N, vocab] float32.
+
+        Raises:
+            RuntimeError: the model was built without its head (`build`).
+        """
+        if not self.has_head:
+            raise RuntimeError("this model was built without its output head (a tensor-parallel rank > 0)")
         if self.cpu_forward is not None:
             return self.cpu_forward.compute_logits(hidden)
         if self.packed_lm_head is not None:

@@ -11,7 +11,7 @@ from omni_backend.ops.gpu_budget import apply_gpu_memory_budget
 from omni_backend.ops.hardware import cpu_engine_threads, runtime_versions
 from omni_backend.ops.metrics import LLMMetrics
 from omni_backend.stages.llm.cancel_board import CancelBoard, shared_folder
-from omni_backend.stages.llm.parameters import parse_parameters
+from omni_backend.stages.llm.parameters import StageParameters, parse_parameters
 from omni_backend.stages.llm.server_probe import parent_operator_key, parent_server_probe
 from omni_backend.stages.llm.service import LLMService
 from omni_backend.stages.llm.stop_watch import STOP_MARGIN_S
@@ -71,6 +71,17 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
         config.cpu_threads = cpu_engine_threads(config.cpu_threads)
     apply_gpu_memory_budget(config.device, config.gpu_memory_utilization, model)
     engine = build_engine_on_a_passing_thread(config)
+    try:  # from here on a failure must not leave the engine's tensor-parallel ranks running
+        return _wrap(engine, parsed, pb_utils, model, version, metrics_interval_s)
+    except BaseException:
+        engine.close()
+        raise
+
+
+def _wrap(engine: LLMEngine, parsed: StageParameters, pb_utils, model: str, version: str,
+          metrics_interval_s: float) -> LLMService:
+    """`create_service`'s service around its built engine (governor, metrics, probes, KV-event stream)."""
+    config = engine.config
     governor = Governor.for_device(config.torch_device, config.max_num_seqs, parsed.governor)
     engine_index = config.torch_device.index or 0  # among the server's llm instances: one per GPU, or one CPU
     metrics = None

@@ -6,8 +6,11 @@ pairs out to `outbox`, and nothing else; who sends the outputs where is `outputs
 
 The power/temperature governor (omni_backend/ops/governor.py) is consulted once per iteration: it sets the
 scheduler's sequences-per-step limit. With a KV-event stream (ops/kv_event_stream.py), the prefix cache's events of
-each iteration are handed to it at the iteration's end, as one batch. A step or an iteration that fails ends the requests in flight with an
-INTERNAL error and the loop goes on, so one fault never hangs every client.
+each iteration are handed to it at the iteration's end, as one batch. A step or an iteration that fails ends the
+requests in flight with an INTERNAL error and the loop goes on, so one fault never hangs every client; but a failed
+step of an engine with tensor-parallel ranks leaves the ranks out of step (`LLMEngine.out_of_service`): the loop
+then fails every request it holds or is sent with UNAVAILABLE and ends, so the stage's heartbeat stops and it
+reads not ready until it is restarted.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class EngineCore(BackgroundLoop):
 
     Attributes:
         outbox: `(request id, RequestOutput | StageError)` in the order the loop produced them.
+        refusal: the error every request gets once the engine is out of service (None while it serves).
         last_iteration: `time.monotonic()` when the loop last began an iteration (for the stage's heartbeat).
     """
 
@@ -54,11 +58,19 @@ class EngineCore(BackgroundLoop):
         self.outbox: queue.SimpleQueue[tuple[str, RequestOutput | StageError]] = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        self.refusal: StageError | None = None
+        # orders `put` against going out of service: a message is either drained by it or refused by `put`
+        self._refusal_lock = threading.Lock()
 
     def put(self, message: InboxMessage) -> None:
-        """Hand a message to the loop (it takes it before its next step)."""
-        self._inbox.put(message)
-        self._wakeup.set()
+        """Hand a message to the loop (it takes it before its next step); once the engine is out of service,
+        refuse it here (`refusal`: a request's error goes to the outbox)."""
+        with self._refusal_lock:
+            if self.refusal is None:
+                self._inbox.put(message)
+                self._wakeup.set()
+                return
+        self._refuse(message)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -102,7 +114,11 @@ class EngineCore(BackgroundLoop):
             self.drain_inbox()
         try:
             outputs = engine.step()
-        except Exception:  # a fault in one step must not take the stage down
+        except Exception:
+            if engine.out_of_service is not None:  # no later step can be trusted: see the module docstring
+                self._go_out_of_service(engine.out_of_service)
+                return
+            # otherwise a fault in one step must not take the stage down
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(StageError(ErrorKind.INTERNAL, "engine step failed (see server log)"))
             return
@@ -138,6 +154,27 @@ class EngineCore(BackgroundLoop):
                 message.done.set_result(self.engine.runner.block_manager.reset_prefix_cache())
             else:
                 raise TypeError(f"not an inbox message: {message!r}")
+
+    def _go_out_of_service(self, reason: str) -> None:
+        logger.exception("the llm engine is out of service (%s): failing its requests and ending its loop; the "
+                         "stage must be restarted", reason)
+        error = StageError(ErrorKind.UNAVAILABLE, f"llm engine out of service ({reason}); the stage must be "
+                                                  "restarted")
+        self._fail_all(error)
+        with self._refusal_lock:
+            self.refusal = error
+            messages = list(drained(self._inbox))
+        for message in messages:
+            self._refuse(message)
+        self.stop()
+
+    def _refuse(self, message: InboxMessage) -> None:
+        """Answer `message` with `refusal` (a request's error, a reset's exception); aborts and input rows are
+        moot."""
+        if isinstance(message, AddRequest):
+            self.outbox.put((message.sequence.request_id, self.refusal))
+        elif isinstance(message, ResetPrefixCache):
+            message.done.set_exception(self.refusal)
 
     def _fail_all(self, error: StageError) -> None:
         for request_id in list(self.engine.requests):

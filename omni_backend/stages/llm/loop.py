@@ -41,11 +41,21 @@ class BackgroundLoop:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Ask the loop to end after its current iteration, and wait for it up to `timeout_s`."""
+        """Ask the loop to end after its current iteration, and wait for it up to `timeout_s` (no wait when the
+        loop's own thread asks)."""
         self._stop.set()
         self.wake()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's thread still runs (started and not ended)."""
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the loop's thread to end."""
+        self._thread.join(timeout=timeout_s)
 
     @property
     def stopping(self) -> bool:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import PromptEmbeds, PromptPositions
+from omni_backend.engine.tp_ranks import COLLECTIVE_TIMEOUT
 from omni_backend.ops.governor import Governor
 from omni_backend.ops.metrics import LLMMetrics, LLMStats
 from omni_backend.stages.llm.cancel_board import CancelBoard
@@ -243,22 +244,40 @@ class LLMService:
 
         A loop counts as stuck after LOOP_STUCK_AFTER_S without a new iteration: well above the longest step
         (a 1024-token CPU prefill takes seconds on a loaded 2-core machine), so a slow step is not a hang.
+        An engine out of service (`EngineCore.refusal`) stops the heartbeat at once.
         """
         progress = {"engine loop": self.core.last_iteration, "response thread": self.router.last_iteration}
         stuck = min(progress, key=progress.get)
         stalled = time.monotonic() - progress[stuck]
         now = time.time()
+        if self.core.refusal is not None:
+            logger.error("the llm engine is out of service; its heartbeat stops: %s", self.core.refusal)
+            return now - (time.monotonic() - self.core.last_iteration)
         if stalled < LOOP_STUCK_AFTER_S:
             return now
         logger.error("the llm stage's %s has not iterated for %.0f s; its heartbeat stops", stuck, stalled)
         return now - stalled
 
     def shutdown(self) -> None:
-        """Stop the threads; requests still in flight get an error."""
+        """Stop the threads; requests still in flight get an error.
+
+        An engine loop still inside a step after `BackgroundLoop.stop`'s wait, with tensor-parallel ranks, may be
+        in a collective: the ranks are killed first (the collective fails), and the process group is destroyed
+        (`LLMEngine.close`) only once the loop has left it; a loop still there after COLLECTIVE_TIMEOUT is left
+        to the process's exit, the group with it.
+        """
         for part in (self.core, self.router, self.stop_watch, self._metrics_loop):
             if part is not None:
                 part.stop()
-        self.core.engine.close()  # its other tensor-parallel ranks, if any: the loop has stopped
+        ranks = self.core.engine.runner.ranks
+        if ranks is not None and self.core.alive:
+            logger.warning("the llm engine loop is still in a step; killing its tensor-parallel ranks")
+            ranks.terminate()
+            self.core.join(COLLECTIVE_TIMEOUT.total_seconds())
+        if ranks is not None and self.core.alive:
+            logger.error("the llm engine loop did not leave its step; its process group is left to the exit")
+        else:
+            self.core.engine.close()  # its other tensor-parallel ranks, if any: the loop has ended
         self.router.fail_all(StageError(ErrorKind.UNAVAILABLE, "server is shutting down"))
         self.router.board.close()
         if self.core.kv_events is not None:

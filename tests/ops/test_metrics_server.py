@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from helpers.chat_client import chat_messages, http_generate, stream_infer, stream_inputs
-from helpers.kv_event_subscriber import receive, subscriber, until_subscribed
+from helpers.kv_event_subscriber import KVEventSubscriber
 from helpers.llm_stream import as_llm_inputs, preprocessed
 
 from omni_backend.ops.hardware import cpu_has_native_bf16
@@ -283,9 +283,9 @@ def test_the_llm_stage_publishes_its_kv_events_on_the_endpoint_of_its_setting(go
         done = stream_inputs(server.grpc_url, [reset], "llm", parameters={ADMIN_KEY_HEADER: server.admin_key})
         assert done.error is None, done.error
 
-    sub = subscriber(server.kv_events)
+    sub = KVEventSubscriber(server.kv_events)
     try:
-        last = until_subscribed(sub, reset_cache)
+        sub.subscribe(reset_cache)
         arrays = preprocessed(server.grpc_url, f"KV events {time.time()}: count to twenty, one word each.", 4,
                               chat=False)
         result = stream_inputs(server.grpc_url, as_llm_inputs(arrays), "llm")
@@ -295,7 +295,7 @@ def test_the_llm_stage_publishes_its_kv_events_on_the_endpoint_of_its_setting(go
         blocks = (len(prompt) + 3) // 16
         stored, seqs = [], []
         while sum(len(event[1]) for event in stored) < blocks:
-            topic, seq, (_, events, rank) = receive(sub)
+            topic, seq, (_, events, rank) = sub.receive()
             assert (topic, rank) == (b"", 0)
             seqs.append(seq)
             stored += [event for event in events if event[0] == "BlockStored"]
@@ -303,8 +303,8 @@ def test_the_llm_stage_publishes_its_kv_events_on_the_endpoint_of_its_setting(go
         tokens = [t for event in stored for t in event[3]]
         assert len(tokens) == 16 * blocks and tokens[:len(prompt)] == prompt[:len(tokens)]
         reset_cache()
-        topic, seq, (_, events, _) = receive(sub)
+        topic, seq, (_, events, _) = sub.receive()
         assert events == [["AllBlocksCleared"]]
-        assert seqs + [seq] == list(range(last + 1, seq + 1))
+        assert seqs + [seq] == list(range(sub.last_probe + 1, seq + 1))
     finally:
-        sub.close(linger=0)
+        sub.close()

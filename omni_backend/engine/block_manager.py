@@ -113,6 +113,7 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.kv_events: KVEventRecorder | None = None
+        self._resets = 0  # prefix cache resets so far: a sequence admitted before the last one offers again
 
     def record_kv_events(self) -> KVEventRecorder:
         """From now on, record every block named, evicted or cleared; returns the recorder."""
@@ -191,6 +192,7 @@ class BlockManager:
             seq.pool_row = self.pool.acquire_row()
         admission = not seq.block_table
         if admission:
+            seq.prefix_cache_resets = self._resets
             if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 self.prefix_cache_queries += len(seq)
                 self.prefix_cache_hits += len(cached) * self.block_size
@@ -244,9 +246,15 @@ class BlockManager:
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Offer to the cache `seq`'s full blocks whose KV is now computed (call after each step that computed
         tokens of it), prompt and generated tokens alike: a chat's next turn resends the answer. A name already
-        cached for another block leaves this copy unnamed."""
+        cached for another block leaves this copy unnamed. After a prefix cache reset, a sequence admitted before it
+        offers its blocks again from the first: their names were dropped, and a KV-event subscriber, told to forget
+        every block, drops a BlockStored whose parent it does not hold (vLLM's and Dynamo's indexers), so the
+        sequence's chain is stored anew from its root (parent None)."""
         if not self.enable_prefix_caching:
             return
+        if seq.prefix_cache_resets != self._resets:
+            seq.prefix_cache_resets = self._resets
+            seq.num_registered_blocks = 0
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks:
             return
@@ -294,8 +302,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached name (blocks in use keep their KV and stay allocated; evictable ones become plain
-        free blocks). Returns how many names were dropped. For benchmarks that must start cold."""
+        free blocks; their sequences offer them again after their next step: `register_computed_blocks`).
+        Returns how many names were dropped. For benchmarks that must start cold."""
         dropped = len(self._by_name)
+        self._resets += 1
         for block in self._evictable:
             self._free.append(block)
         self._evictable.clear()

@@ -157,6 +157,8 @@ class Sequence:
         input_addends: rows added to its generated tokens' input embeddings (`InputAddends`), or None.
         block_hashes: names of the sequence's full blocks computed so far (prefix_cache.py), a memo.
         num_registered_blocks: leading blocks of `block_table` already offered to the prefix cache.
+        prefix_cache_resets: the block manager's count of prefix cache resets when it last admitted or offered
+            this sequence (a reset since then: its blocks are offered again, block_manager.py).
         num_cached_tokens: prompt tokens whose KV came from the prefix cache when the sequence was first admitted
             (OpenAI's usage.prompt_tokens_details.cached_tokens); None until then.
         pool_row: row in the block-table pool while running, else None.
@@ -188,6 +190,7 @@ class Sequence:
         self.pool_row: int | None = None
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        self.prefix_cache_resets = 0
         self.num_cached_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -62,8 +62,8 @@ class KVEventStream:
         endpoint: ZMQ endpoint (`tcp://*:5557` binds, `tcp://host:5557` connects: `binds`), before the rank's
             offset (`endpoint_for_rank`).
         topic: the first frame of every message ("" : vLLM's default).
-        data_parallel_rank: this engine's rank among the engines of one server (its GPU index), sent in every
-            batch.
+        data_parallel_rank: this engine's rank among the engines of one server (stages/llm/parameters.py,
+            `engine_index`), sent in every batch.
 
     Attributes:
         endpoint: the endpoint in use (after the rank's offset).

@@ -6,7 +6,7 @@ recorded or started while the `kv_events` setting is empty (the default)."""
 from __future__ import annotations
 
 import pytest
-from helpers.kv_event_subscriber import receive, replay, subscriber, until_subscribed
+from helpers.kv_event_subscriber import KVEventSubscriber, replay
 from helpers.list_sink import ListSink
 
 from omni_backend.engine.block_manager import BlockManager, BlockTablePool
@@ -106,6 +106,42 @@ def test_stored_evicted_and_cleared_blocks_are_events_that_replay_to_the_caches_
     assert replay(held, events) == _cached(manager) == set()
 
 
+def test_a_sequence_running_across_a_reset_stores_its_whole_chain_again_from_its_first_block():
+    """After AllBlocksCleared a subscriber holds nothing: a BlockStored whose parent it was told to forget would be
+    dropped (vLLM's and Dynamo's indexers), so a running sequence names its blocks again from the first, parent
+    None; another sequence sharing that first block stores only its own blocks, under it."""
+    manager = _manager(num_blocks=12)
+    prompt = list(range(100, 140))  # 2 full blocks
+    a = _computed(manager, "a", prompt)
+    b_prompt = prompt[:16] + list(range(300, 330))  # shares a's block 0 from the cache, then its own block 1
+    b = _computed(manager, "b", b_prompt)
+    held = replay(set(), _wire(manager))
+    assert manager.reset_prefix_cache() == 3
+    held = replay(held, _wire(manager))
+    assert held == _cached(manager) == set()
+
+    # a decodes 24 more tokens (4 full blocks now), b 1 more (still 2): both step after the reset
+    for seq, more in ((a, 24), (b, 1)):
+        seq.token_ids += list(range(900, 900 + more))
+        manager.allocate(seq, len(seq))
+        seq.num_computed_tokens = len(seq)
+        manager.register_computed_blocks(seq)
+    events = _wire(manager)
+    assert events == [["BlockStored", [external_hash(n) for n in a.block_hashes[:4]], None, a.token_ids[:64],
+                       BLOCK_SIZE, None, None, None],
+                      ["BlockStored", [external_hash(b.block_hashes[1])], external_hash(a.block_hashes[0]),
+                       b_prompt[16:32], BLOCK_SIZE, None, None, None]]
+    held = replay(held, events)
+    assert held == _cached(manager) and len(held) == 5
+    # the next step stores only the new block, under the last one stored
+    a.token_ids += list(range(950, 966))
+    manager.allocate(a, len(a))
+    a.num_computed_tokens = len(a)
+    manager.register_computed_blocks(a)
+    assert _wire(manager) == [["BlockStored", [external_hash(a.block_hashes[4])], external_hash(a.block_hashes[3]),
+                               a.token_ids[64:80], BLOCK_SIZE, None, None, None]]
+
+
 def test_nothing_is_recorded_by_default():
     assert LLMStageSettings().kv_events == ""
     manager = BlockManager(4, BLOCK_SIZE, BlockTablePool(8, 16, Device("cpu")))
@@ -125,18 +161,18 @@ def test_each_data_parallel_rank_gets_its_own_endpoint():
 
 def test_the_stream_sends_vllms_frames_with_increasing_sequence_numbers(tmp_path):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    sub = subscriber(endpoint, bind=True)  # a host:port endpoint: the stream connects, as to llm-d's indexer
+    sub = KVEventSubscriber(endpoint, bind=True)  # a host:port endpoint: the stream connects, as to llm-d's indexer
     stream = KVEventStream(endpoint, topic="kv@pod-1@tiny", data_parallel_rank=0)
     try:
-        last = until_subscribed(sub, lambda: stream.publish([AllBlocksCleared()]))
+        sub.subscribe(lambda: stream.publish([AllBlocksCleared()]))
         manager = _manager(num_blocks=8)
         _computed(manager, "a", list(range(100, 140)))
         stream.publish(manager.kv_events.take())
         stream.publish([])  # an empty step sends nothing
         manager.reset_prefix_cache()
         stream.publish(manager.kv_events.take())
-        received = [receive(sub) for _ in range(2)]
-        assert [seq for _, seq, _ in received] == [last + 1, last + 2]
+        received = [sub.receive() for _ in range(2)]
+        assert [seq for _, seq, _ in received] == [sub.last_probe + 1, sub.last_probe + 2]
         assert {topic for topic, _, _ in received} == {b"kv@pod-1@tiny"}
         (ts1, stored, rank1), (ts2, cleared, rank2) = (batch for _, _, batch in received)
         assert rank1 == rank2 == 0 and 0 < ts1 <= ts2
@@ -144,7 +180,7 @@ def test_the_stream_sends_vllms_frames_with_increasing_sequence_numbers(tmp_path
         assert stream.num_dropped_events == 0
     finally:
         stream.close()
-        sub.close(linger=0)
+        sub.close()
 
 
 def _free_port() -> int:
@@ -159,7 +195,7 @@ def test_the_llm_stage_publishes_its_caches_events_when_the_setting_names_an_end
                               "num_kv_blocks": "8", "max_num_seqs": "4", "max_model_len": "128",
                               "kv_events": endpoint, "kv_events_topic": "kv@pod@tiny"})
     manager = service.engine.runner.block_manager
-    sub = subscriber(endpoint)
+    sub = KVEventSubscriber(endpoint)
     service.start()
     held, seqs, kinds = set(), [], set()
 
@@ -167,14 +203,14 @@ def test_the_llm_stage_publishes_its_caches_events_when_the_setting_names_an_end
         """Read batches until the replayed events say what the (idle) engine's cache holds."""
         nonlocal held
         while held != _cached(manager):
-            topic, seq, (_, events, rank) = receive(sub)
+            topic, seq, (_, events, rank) = sub.receive()
             assert (topic, rank) == (b"kv@pod@tiny", 0)
             seqs.append(seq)
             kinds.update(event[0] for event in events)
             held = replay(held, events)
 
     try:
-        last = until_subscribed(sub, lambda: service.reset_prefix_cache().result(10))
+        sub.subscribe(lambda: service.reset_prefix_cache().result(10))
         # 8 blocks of 16 tokens: each 70-token prompt (+4 generated) names 4 blocks; the second and third evict
         for i in range(3):
             sink = ListSink()
@@ -186,11 +222,12 @@ def test_the_llm_stage_publishes_its_caches_events_when_the_setting_names_an_end
         assert service.reset_prefix_cache().result(10) == len(held)
         receive_until_held_is_cached()
         assert held == set() and kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-        assert seqs == list(range(last + 1, last + 1 + len(seqs)))  # one batch per loop iteration, none lost
+        # one batch per loop iteration, none lost
+        assert seqs == list(range(sub.last_probe + 1, sub.last_probe + 1 + len(seqs)))
         assert service.core.kv_events.num_dropped_events == 0
     finally:
         service.shutdown()
-        sub.close(linger=0)
+        sub.close()
 
 
 def test_the_llm_stage_starts_no_stream_without_the_setting(tiny_qwen2_path):

@@ -36,14 +36,15 @@ def tiny_llama_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def governed_server(tmp_path_factory):
-    """The omni_chat pipeline, a small KV cache, 8 sequences per step, the fake GPU above, and the llm stage's KV
-    events on an ipc endpoint (`server.kv_events`)."""
+    """The omni_chat pipeline, a KV cache of 512 MiB (8 sequences of 1,024 tokens fit: test_metrics_server.py's
+    held requests), 8 sequences per step, the fake GPU above, and the llm stage's KV events on an ipc endpoint
+    (`server.kv_events`)."""
     root = tmp_path_factory.mktemp("governed")
     nvml_file = root / "nvml.json"
     nvml_file.write_text(json.dumps(FAKE_GPU))
     kv_events = f"ipc://{root}/kv-events"
     repository.render_repository(root / "model_repository", models=["preprocess", "llm", "postprocess", "omni_chat"],
-                                 kv_cache_bytes=64 << 20, max_num_seqs=8, kv_events=kv_events)
+                                 kv_cache_bytes=512 << 20, max_num_seqs=8, kv_events=kv_events)
     http, grpc, metrics = free_ports(3)
     server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
                           exit_timeout_s=5, log_file=root / "tritonserver.log",

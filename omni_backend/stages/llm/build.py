@@ -58,8 +58,8 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     minus one (`ops.hardware.cpu_engine_threads`). With `pb_utils` (in a stub process) the operator's key for
     prefix cache resets and the stop probe are the parent tritonserver's (`server_probe`), and cancels by key are
     shared with the server's other llm instances (`cancel_board`). With the `kv_events` setting the prefix cache's
-    events go out on that ZMQ endpoint (ops/kv_event_stream.py), data-parallel rank = the engine's GPU index (0
-    on a CPU).
+    events go out on that ZMQ endpoint (ops/kv_event_stream.py), data-parallel rank = the engine's index among the
+    server's llm engines (`parameters.engine_index`).
 
     Raises:
         ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises;
@@ -83,7 +83,7 @@ def _wrap(engine: LLMEngine, parsed: StageParameters, pb_utils, model: str, vers
     """`create_service`'s service around its built engine (governor, metrics, probes, KV-event stream)."""
     config = engine.config
     governor = Governor.for_device(config.torch_device, config.max_num_seqs, parsed.governor)
-    engine_index = config.torch_device.index or 0  # among the server's llm instances: one per GPU, or one CPU
+    engine_index = parsed.engine_index
     metrics = None
     if pb_utils is not None:
         runner = engine.runner

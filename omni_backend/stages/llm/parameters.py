@@ -26,7 +26,8 @@ class LLMStageSettings(SettingGroup):
                                        "more is refused at once with UNAVAILABLE \"waiting queue is full ... retry "
                                        "later\" (the front door: 429 + Retry-After); 0: no limit", low=0)
     kv_events: str = setting("", "publish the prefix cache's KV events as vLLM's ZMQ stream on this endpoint "
-                             "(tcp://*:PORT binds, tcp://HOST:PORT connects; engine N of a server: PORT + N); "
+                             "(tcp://*:PORT binds, tcp://HOST:PORT connects; engine N of a server over every GPU, "
+                             "device cuda or auto: PORT + N); "
                              "empty: off", pattern=r"(tcp://\S+:\d+|(ipc|inproc)://\S+)?",
                              forms="empty, or a ZMQ endpoint tcp://HOST:PORT, ipc://PATH or inproc://NAME")
     kv_events_topic: str = setting("", "the topic frame of every KV-event message (llm-d's indexer reads "
@@ -41,11 +42,13 @@ SETTING_GROUPS: tuple[tuple[type, str], ...] = (
 @dataclass
 class StageParameters:
     """The llm model's parameters, parsed: its engine's config (device resolved for this instance), the stage's
-    settings and the governor's thresholds."""
+    settings, the governor's thresholds, and the instance's index among the server's llm engines (`engine_index`).
+    """
 
     engine: EngineConfig
     stage: LLMStageSettings
     governor: GovernorConfig
+    engine_index: int = 0
 
 
 def parameter_keys() -> list[str]:
@@ -69,7 +72,22 @@ def parse_parameters(parameters: dict[str, str], instance_kind: str | None = Non
     device = instance_device(engine.device, instance_kind, instance_device_id, resolve)
     return StageParameters(dataclasses.replace(engine, device=device),
                            LLMStageSettings.from_strings(parameters),
-                           GovernorConfig.from_strings(parameters, GovernorConfig.PREFIX))
+                           GovernorConfig.from_strings(parameters, GovernorConfig.PREFIX),
+                           engine_index(engine.device, instance_kind, instance_device_id))
+
+
+def engine_index(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None) -> int:
+    """This instance's index among the server's llm engines: the label `engine` of its standard metrics, its KV
+    events' data-parallel rank and port offset (ops/kv_event_stream.py).
+
+    Only a KIND_GPU group over every GPU (`device` cuda or auto: repository.llm_instance_group) runs several
+    engines, one per GPU, numbered as Triton numbers the GPUs it sees (0 .. n-1): the index is the GPU's. Every
+    other server runs one engine, index 0: a CPU, tensor parallel (one KIND_MODEL instance) and `device` cuda:N (a
+    group of GPU N alone: `OMNI_DEVICE=cuda:2` publishes on the kv_events port itself, engine "0").
+    """
+    if instance_kind != "GPU" or requested.startswith("cuda:"):
+        return 0
+    return int(instance_device_id or 0)
 
 
 def instance_device(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None,

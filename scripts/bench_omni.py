@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_serving import cpu_info  # scripts/ is on sys.path when run as a script
 
 from omni_backend import paths
 from omni_backend import tensor_names as T
@@ -144,13 +144,6 @@ def medians(rounds: list[dict]) -> dict:
             "transformers": median([r["transformers"] for r in rounds])}
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="")
@@ -164,7 +157,7 @@ def main() -> None:
         from omni_backend.setup.tiny_hf_multimodal import build
         folder = str(build("qwen2_5_omni", Path(tempfile.mkdtemp()) / "tiny-omni", log=lambda _: None))
     questions = prompts(folder)
-    results = {"model": args.model or "tiny random Qwen2.5-Omni", "device": args.device, "machine": cpu_model(),
+    results = {"model": args.model or "tiny random Qwen2.5-Omni", "device": args.device, "machine": cpu_info(),
                "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "reply_tokens": args.reply,
                "max_codec_tokens": args.codes, "rounds": [],
                "warmup": ours(folder, questions, 1, args)}  # first use of each shape and kernel, untimed below

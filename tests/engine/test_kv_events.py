@@ -14,6 +14,7 @@ from omni_backend.engine.device import Device
 from omni_backend.engine.kv_events import AllBlocksCleared, external_hash
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.engine.sequence import Sequence
+from omni_backend.launch.ports import free_ports
 from omni_backend.ops.kv_event_stream import KVEventStream, endpoint_for_rank
 from omni_backend.stages.llm.build import create_service
 from omni_backend.stages.llm.parameters import LLMStageSettings
@@ -159,8 +160,9 @@ def test_each_data_parallel_rank_gets_its_own_endpoint():
         endpoint_for_rank("tcp://host", 1)
 
 
-def test_the_stream_sends_vllms_frames_with_increasing_sequence_numbers(tmp_path):
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+def test_the_stream_sends_vllms_frames_with_increasing_sequence_numbers():
+    (port,) = free_ports(1)
+    endpoint = f"tcp://127.0.0.1:{port}"
     sub = KVEventSubscriber(endpoint, bind=True)  # a host:port endpoint: the stream connects, as to llm-d's indexer
     stream = KVEventStream(endpoint, topic="kv@pod-1@tiny", data_parallel_rank=0)
     try:
@@ -181,12 +183,6 @@ def test_the_stream_sends_vllms_frames_with_increasing_sequence_numbers(tmp_path
     finally:
         stream.close()
         sub.close()
-
-
-def _free_port() -> int:
-    from omni_backend.launch.ports import free_ports
-
-    return free_ports(1)[0]
 
 
 def test_the_llm_stage_publishes_its_caches_events_when_the_setting_names_an_endpoint(tiny_qwen2_path, tmp_path):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 from helpers.llm_stream import LLMStream, llm_inputs, preprocessed
 from helpers.processes import descendants, gone
+from helpers.triton_server import serve_models
 
-from omni_backend import paths, repository
+from omni_backend import paths
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
-from omni_backend.launch.ports import free_ports
-from omni_backend.launch.tritonserver import TritonServer
 
 SMOLLM2 = str(paths.models_dir() / "SmolLM2-135M-Instruct")
 SETTINGS = {"llm_model_path": SMOLLM2, "device": "cpu", "dtype": "float32", "kv_cache_bytes": 32 << 20,
@@ -23,11 +22,7 @@ PROMPT = "What is the capital of France?"
 @pytest.mark.server
 def test_the_llm_stage_serves_with_two_cpu_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-tp")
-    repository.render_repository(root / "model_repository", models=["preprocess", "llm"], **SETTINGS)
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(root / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          exit_timeout_s=5, log_file=root / "tritonserver.log", env={"TRITON_INTERPRET": None})
-    server.start(ready_timeout_s=300)
+    server = serve_models(root, ["preprocess", "llm"], **SETTINGS)
     try:
         ranks = [pid for pid, line in descendants(server.process.pid).items() if "spawn_main" in line]
         assert len(ranks) == 1  # the llm instance's second rank

@@ -244,6 +244,7 @@ def test_streamed_calls_assemble_to_the_non_streamed_answer(openai_client, tool_
     # incremental: the call's head, then its arguments in more than one fragment
     fragments = [call.function.arguments for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
     assert len(fragments) > 2 and fragments[0] is not None
+    assert "".join(f or "" for f in fragments) == calls[0][1]
 
 
 @pytest.mark.server

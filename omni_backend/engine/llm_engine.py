@@ -17,7 +17,7 @@ from omni_backend.engine.hidden_states import take_hidden_rows
 from omni_backend.engine.limits import check_context_length
 from omni_backend.engine.model_runner import ModelRunner
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
-from omni_backend.engine.scheduler import Scheduler
+from omni_backend.engine.scheduler import ScheduledBatch, Scheduler
 from omni_backend.engine.sequence import InputAddends, PromptEmbeds, PromptPositions, Sequence
 from omni_backend.engine.structured_output import GUIDE_FIELD, GrammarCompiler, matcher
 
@@ -306,20 +306,14 @@ class LLMEngine:
         self.num_steps += 1
         try:
             sampled, result = self.runner.execute(batch)
-        except Exception as exc:
-            if self.runner.ranks is not None:  # the others may be waiting in this step's all-reduces, or dead
-                self.out_of_service = f"a tensor-parallel step failed ({type(exc).__name__}: {exc})"
+        except torch.OutOfMemoryError as exc:
+            if self.runner.ranks is not None or not self._recover_from_out_of_memory(batch):
+                self._note_failed_step(exc)
                 raise
-            if not isinstance(exc, torch.OutOfMemoryError):
-                raise
-            self.runner.release_step_memory()
-            if not self.scheduler.shrink_token_budget():
-                raise
-            self.num_oom_recoveries += 1
-            logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token "
-                           "budget of %d for a while", batch.total_tokens, len(batch.seqs),
-                           self.scheduler.token_budget)
             return outputs
+        except Exception as exc:
+            self._note_failed_step(exc)
+            raise
         self.scheduler.step_succeeded()
         if result is None:
             return outputs
@@ -356,6 +350,23 @@ class LLMEngine:
         output = self._emit(state, final=True)
         output.error, output.error_field = error, field
         return output
+
+    def _recover_from_out_of_memory(self, batch: ScheduledBatch) -> bool:
+        """After `batch` ran out of device memory: free what it held and halve the token budget; False when the
+        budget is down to one token (the step cannot be made smaller)."""
+        self.runner.release_step_memory()
+        if not self.scheduler.shrink_token_budget():
+            return False
+        self.num_oom_recoveries += 1
+        logger.warning("out of device memory in a step of %d tokens (%d sequences): retrying with a token budget "
+                       "of %d for a while", batch.total_tokens, len(batch.seqs), self.scheduler.token_budget)
+        return True
+
+    def _note_failed_step(self, exc: Exception) -> None:
+        """A failed step takes an engine with tensor-parallel ranks out of service: the others may be waiting in
+        the step's all-reduces, or dead."""
+        if self.runner.ranks is not None:
+            self.out_of_service = f"a tensor-parallel step failed ({type(exc).__name__}: {exc})"
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar is ready, each with a matcher of its own; end those whose guide

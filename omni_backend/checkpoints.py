@@ -74,6 +74,12 @@ def text_hidden_size(folder: str | Path) -> int:
     return int(config.get("text_config", config)["hidden_size"])
 
 
+def head_dim(text_config) -> int:
+    """The attention head width of a language model's transformers config: its `head_dim` where it sets one (Qwen3's
+    and Gemma's heads do not tile the hidden size), else hidden_size // num_attention_heads (Llama's, Qwen2's rule)."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
 def text_weight_name(stored: str, prefixes: tuple[str, ...] = HF_LANGUAGE_MODEL_PREFIXES) -> str:
     """A checkpoint tensor name as the language model's own name (`layers.0.self_attn.q_proj.weight`,
     `lm_head.weight`): the first of `prefixes` it starts with removed (an architecture's `weight_prefixes`).

@@ -32,6 +32,7 @@ import torch
 
 from kernels.cpu_library import CpuKernelUnavailable, cpu_features
 from kernels.linear_cpu import CpuLinearKernels
+from omni_backend import checkpoints
 from omni_backend.engine import cpu_linear
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class LayerShape:
     def of(cls, hf_config) -> "LayerShape":
         """From a transformers Llama/Qwen2 config."""
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        head_dim = checkpoints.head_dim(hf_config)
         return cls(hf_config.hidden_size, (heads + 2 * kv_heads) * head_dim, heads * head_dim,
                    hf_config.intermediate_size)
 

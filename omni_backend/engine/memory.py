@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_backend import checkpoints
+
 logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -28,7 +30,7 @@ GPU_HEADROOM_BYTES = 256 * MIB
 def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
     """Bytes of one block across all layers, K and V: 2 * layers * block_size * kv_heads * head_dim * size.
     `num_kv_heads`: the KV heads one tensor-parallel rank holds (default: the model's)."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = checkpoints.head_dim(hf_config)
     element = torch.empty((), dtype=dtype).element_size()
     kv_heads = hf_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * element

@@ -123,7 +123,7 @@ class ModelRunner:
         self.dtype, self.dtype_reason, self._bf16_onednn = self._resolve_dtype(config, hf_config)
         heads = self.shard.heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
         self.num_q_heads, self.num_kv_heads = heads.num_q, heads.num_kv
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.head_dim = checkpoints.head_dim(hf_config)
         max_positions = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", 1 << 20))
         if config.max_model_len > max_positions:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_positions} positions")

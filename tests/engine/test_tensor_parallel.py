@@ -19,6 +19,7 @@ from helpers.list_sink import ListSink
 from helpers.processes import descendants, gone, running
 from transformers import AutoConfig
 
+from omni_backend import checkpoints
 from omni_backend.engine.attention.selector import select_attention
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine
@@ -148,7 +149,7 @@ def test_a_rank_without_the_output_head_holds_no_head(tiny_qwen2_path):
     """What a rank > 0 builds (tp_ranks._Rank): no untied head, and no packed copy after packing."""
     config = AutoConfig.from_pretrained(tiny_qwen2_path)
     heads = Shard(1, 2).heads(config.num_attention_heads, config.num_key_value_heads)
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = checkpoints.head_dim(config)
     attention = select_attention("torch", torch.device("cpu"), heads.num_q, heads.num_kv, head_dim, torch.float32,
                                  16, "").backend
     model = Qwen2ForCausalLM.build(config, attention, 64, Shard(1, 2), torch.float32, torch.device("cpu"),

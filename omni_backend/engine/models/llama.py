@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config, attention: AttentionBackend, bias: bool, shard: Shard):
         super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = checkpoints.head_dim(config)
         self.heads = shard.heads(config.num_attention_heads, config.num_key_value_heads)
         self.num_heads, self.num_kv_heads = self.heads.num_q, self.heads.num_kv
         self.mlp_span = shard.span(config.intermediate_size)

@@ -234,8 +234,7 @@ class LLMMetrics:
                 self.ttft.observe(request.ttft_s)
             if request.mean_itl_s is not None:
                 self.itl.observe(request.mean_itl_s)
-        self.standard.publish(stats.running, stats.waiting, stats.kv_blocks_used, stats.kv_blocks_total,
-                              stats.finished)
+            self.standard.observe(request)
         for seconds in stats.grammar_compile_s:
             self.grammar_compile.observe(seconds)
         last = self._last
@@ -253,23 +252,21 @@ class LLMMetrics:
                               (self.step_sequences, stats.step_sequences - last.step_sequences)):
             if delta:
                 metric.increment(delta)
-        for metric, value, old in ((self.running, stats.running, last.running),
-                                   (self.waiting, stats.waiting, last.waiting),
-                                   (self.kv_used, stats.kv_blocks_used, last.kv_blocks_used),
-                                   (self.kv_total, stats.kv_blocks_total, last.kv_blocks_total),
-                                   (self.prefix_blocks, stats.prefix_cache_blocks, last.prefix_cache_blocks),
-                                   (self.prefix_enabled, int(stats.prefix_cache_enabled),
-                                    int(last.prefix_cache_enabled)),
-                                   (self.governor_state, stats.governor_state, last.governor_state),
-                                   (self.num_seqs_limit, stats.num_seqs_limit, last.num_seqs_limit),
-                                   (self.power, stats.power_w, last.power_w),
-                                   (self.temperature, stats.temperature_c, last.temperature_c),
-                                   (self.sm_clock, stats.sm_clock_mhz, last.sm_clock_mhz)):
+        for (metric, value), (_, old) in zip(self._gauges(stats), self._gauges(last)):
             if value != old:  # gauges start at 0, as the first `last` does
                 metric.set(value)
         stats.finished = []
         stats.grammar_compile_s = []
         self._last = stats
+
+    def _gauges(self, stats: LLMStats) -> list[tuple[object, float]]:
+        """Each gauge, the vLLM-named ones included, with its value in `stats`."""
+        return [(self.running, stats.running), (self.waiting, stats.waiting), (self.kv_used, stats.kv_blocks_used),
+                (self.kv_total, stats.kv_blocks_total), (self.prefix_blocks, stats.prefix_cache_blocks),
+                (self.prefix_enabled, int(stats.prefix_cache_enabled)), (self.governor_state, stats.governor_state),
+                (self.num_seqs_limit, stats.num_seqs_limit), (self.power, stats.power_w),
+                (self.temperature, stats.temperature_c), (self.sm_clock, stats.sm_clock_mhz),
+                *self.standard.gauges(stats)]
 
 
 class EncoderMetrics:

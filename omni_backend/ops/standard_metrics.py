@@ -32,7 +32,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 
 
 class StandardMetrics:
-    """Creates the vLLM-named families of one engine once and publishes the llm stage's snapshots into them.
+    """The vLLM-named families of one engine, created once; `LLMMetrics.publish` feeds them with its own.
 
     Args:
         pb_utils: `triton_python_backend_utils` (or a stand-in with its MetricFamily API).
@@ -58,19 +58,16 @@ class StandardMetrics:
                            TTFT_BUCKETS)
         self.itl = metric("vllm:inter_token_latency_seconds",
                           "Histogram of inter-token latency in seconds (one mean per request).", H, ITL_BUCKETS)
-        self._last: tuple[int, int, float] = (0, 0, 0.0)
 
-    def publish(self, running: int, waiting: int, kv_blocks_used: int, kv_blocks_total: int,
-                finished: list) -> None:
-        """Set the gauges that changed and observe `finished` (ops.metrics.FinishedRequest records)."""
-        usage = kv_blocks_used / kv_blocks_total if kv_blocks_total else 0.0
-        for metric, value, old in zip((self.running, self.waiting, self.kv_usage), (running, waiting, usage),
-                                      self._last):
-            if value != old:  # gauges start at 0, as the first `_last` does
-                metric.set(value)
-        self._last = (running, waiting, usage)
-        for request in finished:
-            if request.ttft_s is not None:
-                self.ttft.observe(request.ttft_s)
-            if request.mean_itl_s is not None:
-                self.itl.observe(request.mean_itl_s)
+    def gauges(self, stats) -> list[tuple[object, float]]:
+        """Each gauge with its value in an `ops.metrics.LLMStats` snapshot (`LLMMetrics.publish` sets those that
+        changed)."""
+        usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+        return [(self.running, stats.running), (self.waiting, stats.waiting), (self.kv_usage, usage)]
+
+    def observe(self, request) -> None:
+        """Observe one finished request (an `ops.metrics.FinishedRequest`) in the histograms."""
+        if request.ttft_s is not None:
+            self.ttft.observe(request.ttft_s)
+        if request.mean_itl_s is not None:
+            self.itl.observe(request.mean_itl_s)

@@ -63,7 +63,7 @@ class KVEventStream:
             offset (`endpoint_for_rank`).
         topic: the first frame of every message ("" : vLLM's default).
         data_parallel_rank: this engine's rank among the engines of one server (stages/llm/parameters.py,
-            `engine_index`), sent in every batch.
+            `place_instance`), sent in every batch.
 
     Attributes:
         endpoint: the endpoint in use (after the rank's offset).

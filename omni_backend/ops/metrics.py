@@ -144,7 +144,7 @@ class LLMMetrics:
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
             attention_reason, matmuls, fallback_reason, dtype and dtype_reason); None: the gauge is not published.
-        engine_index: the engine's index among the server's llm engines (llm/parameters.engine_index), the `engine`
+        engine_index: the engine's index among the server's llm engines (llm/parameters.place_instance), the `engine`
             label of the vLLM-named metrics (ops/standard_metrics.py).
     """
 

@@ -6,7 +6,7 @@ the latency histograms. Triton's custom metrics take the colon in a family name 
 the names below appear on its metrics port as they are), so they are published by the llm stage itself, on the
 metrics port (8002), per engine. Labels as vLLM v1 sets them (`vllm/v1/metrics/loggers.py`): `model_name` (here the
 Triton model's name, "llm": the name its clients address) and `engine` (the engine's index among the server's llm
-engines, stages/llm/parameters.engine_index: "0" with one engine).
+engines, stages/llm/parameters.place_instance: "0" with one engine).
 
     vllm:num_requests_running          gauge      requests in the engine's running batch
     vllm:num_requests_waiting          gauge      requests waiting to be scheduled (the engine's queue)

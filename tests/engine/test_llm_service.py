@@ -14,7 +14,7 @@ from omni_backend.engine.llm_engine import LLMEngine
 from omni_backend.engine.sampling_params import SamplingParams
 from omni_backend.operator_key import ADMIN_KEY_HEADER, admin_key_of, restricted_api_flags, tritonserver_flags
 from omni_backend.stages.llm.build import build_engine_on_a_passing_thread
-from omni_backend.stages.llm.parameters import engine_index, instance_device, parse_parameters
+from omni_backend.stages.llm.parameters import parse_parameters, place_instance
 from omni_backend.stages.llm.server_probe import parent_operator_key, parent_server_probe
 from omni_backend.stages.llm.service import LOOP_STUCK_AFTER_S, LLMService, QueueFull
 from omni_backend.stages.llm.triton_io import cancel_key, generation_inputs, is_reset_request, output_arrays
@@ -199,23 +199,25 @@ def test_each_kind_gpu_instance_takes_its_own_gpu():
         resolved.append(device)
         return device
 
-    assert instance_device("auto", "GPU", "1", resolve) == "cuda:1"
-    assert instance_device("cuda", "GPU", 0, resolve) == "cuda:0"
-    assert instance_device("cuda:1", "GPU", "1", resolve) == "cuda:1"
+    assert place_instance("auto", "GPU", "1", resolve)[0] == "cuda:1"
+    assert place_instance("cuda", "GPU", 0, resolve)[0] == "cuda:0"
+    assert place_instance("cuda:1", "GPU", "1", resolve)[0] == "cuda:1"
     assert resolved == ["cuda:1", "cuda:0", "cuda:1"]  # every GPU instance is checked for a usable CUDA torch
-    assert instance_device("auto", "CPU", "0", resolve) == "auto"  # a CPU instance: the device parameter decides
+    assert place_instance("auto", "CPU", "0", resolve)[0] == "auto"  # a CPU instance: the device parameter decides
     for requested in ("cpu", "cuda:0"):
         with pytest.raises(ValueError, match="contradicts this KIND_GPU instance on cuda:1"):
-            instance_device(requested, "GPU", "1", resolve)
+            place_instance(requested, "GPU", "1", resolve)
 
 
 def test_the_engine_index_is_the_instances_place_among_the_servers_llm_engines():
     """A group over every GPU (device cuda or auto) numbers its engines by GPU; one engine is 0 wherever it runs:
     OMNI_DEVICE=cuda:2 is engine "0" on the kv_events port itself, not engine 2 on port + 2."""
-    assert [engine_index(device, "GPU", gpu) for device, gpu in (("cuda", 0), ("cuda", "1"), ("auto", "3"))] == \
-        [0, 1, 3]
-    assert engine_index("cuda:2", "GPU", "2") == 0
-    assert engine_index("cpu", "CPU", 0) == engine_index("cuda:1", "MODEL", 0) == engine_index("auto") == 0
+    def index(*args):
+        return place_instance(*args, resolve=lambda device: device)[1]
+
+    assert [index(device, "GPU", gpu) for device, gpu in (("cuda", 0), ("cuda", "1"), ("auto", "3"))] == [0, 1, 3]
+    assert index("cuda:2", "GPU", "2") == 0
+    assert index("cpu", "CPU", 0) == index("cuda:1", "MODEL", 0) == index("auto") == 0
     parsed = parse_parameters({"model_path": "x", "device": "cuda:2"}, "GPU", "2", resolve=lambda device: device)
     assert (parsed.engine.device, parsed.engine_index) == ("cuda:2", 0)
     assert parse_parameters({"model_path": "x", "device": "cuda"}, "GPU", "1",

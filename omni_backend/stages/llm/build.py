@@ -59,7 +59,7 @@ def create_service(parameters: dict[str, str], pb_utils=None, model: str = "llm"
     prefix cache resets and the stop probe are the parent tritonserver's (`server_probe`), and cancels by key are
     shared with the server's other llm instances (`cancel_board`). With the `kv_events` setting the prefix cache's
     events go out on that ZMQ endpoint (ops/kv_event_stream.py), data-parallel rank = the engine's index among the
-    server's llm engines (`parameters.engine_index`).
+    server's llm engines (`parameters.place_instance`).
 
     Raises:
         ValueError: malformed parameters; RuntimeError: a CUDA device torch cannot use; what LLMEngine raises;

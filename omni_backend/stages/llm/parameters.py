@@ -42,7 +42,7 @@ SETTING_GROUPS: tuple[tuple[type, str], ...] = (
 @dataclass
 class StageParameters:
     """The llm model's parameters, parsed: its engine's config (device resolved for this instance), the stage's
-    settings, the governor's thresholds, and the instance's index among the server's llm engines (`engine_index`).
+    settings, the governor's thresholds, and the instance's index among the server's llm engines (`place_instance`).
     """
 
     engine: EngineConfig
@@ -63,36 +63,21 @@ def parse_parameters(parameters: dict[str, str], instance_kind: str | None = Non
 
     Raises:
         ValueError: a key no setting declares, a malformed value, or a device that contradicts the instance
-            (`instance_device`).
+            (`place_instance`).
     """
     unknown = sorted(set(parameters) - set(parameter_keys()))
     if unknown:
         raise ValueError(f"unknown llm parameter(s): {', '.join(unknown)}; known: {', '.join(parameter_keys())}")
     engine = EngineConfig.from_strings(parameters)
-    device = instance_device(engine.device, instance_kind, instance_device_id, resolve)
+    device, index = place_instance(engine.device, instance_kind, instance_device_id, resolve)
     return StageParameters(dataclasses.replace(engine, device=device),
                            LLMStageSettings.from_strings(parameters),
-                           GovernorConfig.from_strings(parameters, GovernorConfig.PREFIX),
-                           engine_index(engine.device, instance_kind, instance_device_id))
+                           GovernorConfig.from_strings(parameters, GovernorConfig.PREFIX), index)
 
 
-def engine_index(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None) -> int:
-    """This instance's index among the server's llm engines: the label `engine` of its standard metrics, its KV
-    events' data-parallel rank and port offset (ops/kv_event_stream.py).
-
-    Only a KIND_GPU group over every GPU (`device` cuda or auto: repository.llm_instance_group) runs several
-    engines, one per GPU, numbered as Triton numbers the GPUs it sees (0 .. n-1): the index is the GPU's. Every
-    other server runs one engine, index 0: a CPU, tensor parallel (one KIND_MODEL instance) and `device` cuda:N (a
-    group of GPU N alone: `OMNI_DEVICE=cuda:2` publishes on the kv_events port itself, engine "0").
-    """
-    if instance_kind != "GPU" or requested.startswith("cuda:"):
-        return 0
-    return int(instance_device_id or 0)
-
-
-def instance_device(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None,
-                    resolve: Callable[[str], str] = resolve_device) -> str:
-    """The device of this model instance's engine.
+def place_instance(requested: str, instance_kind: str | None = None, instance_device_id: str | int | None = None,
+                   resolve: Callable[[str], str] = resolve_device) -> tuple[str, int]:
+    """(device, engine index) of this model instance's engine.
 
     Triton tells a Python model its instance's kind and device (`args["model_instance_kind"]`,
     `args["model_instance_device_id"]`). A KIND_GPU instance group runs one instance per listed GPU (data
@@ -101,12 +86,20 @@ def instance_device(requested: str, instance_kind: str | None = None, instance_d
     (ops.hardware.resolve_device, which warns when NVML sees a GPU that torch cannot use and fails loudly for an
     explicit CUDA device torch cannot use).
 
+    The engine index is the instance's place among the server's llm engines: the label `engine` of its standard
+    metrics, its KV events' data-parallel rank and port offset (ops/kv_event_stream.py). Only a KIND_GPU group over
+    every GPU (`device` cuda or auto) runs several engines, one per GPU, numbered as Triton numbers the GPUs it
+    sees (0 .. n-1): the index is the GPU's. Every other server runs one engine, index 0: a CPU, tensor parallel
+    (one KIND_MODEL instance) and `device` cuda:N (a group of GPU N alone: `OMNI_DEVICE=cuda:2` publishes on the
+    kv_events port itself, engine "0").
+
     Raises:
         ValueError: the device setting contradicts a KIND_GPU instance; what `resolve` raises.
     """
     if instance_kind != "GPU":
-        return resolve(requested)
-    device = f"cuda:{int(instance_device_id or 0)}"
+        return resolve(requested), 0
+    gpu = int(instance_device_id or 0)
+    device = f"cuda:{gpu}"
     if requested == "cpu" or (requested.startswith("cuda:") and requested != device):
         raise ValueError(f"device {requested!r} contradicts this KIND_GPU instance on {device}")
-    return resolve(device)
+    return resolve(device), 0 if requested.startswith("cuda:") else gpu

@@ -74,7 +74,9 @@ def _default_diffusion_model_path() -> str:
 
 class Settings:
     """Values substituted into the `config.pbtxt` templates: one attribute per operator setting of
-    `SETTING_GROUPS`, named as operators name it (`llm_model_path` for the engine's `model_path`).
+    `SETTING_GROUPS`, named as operators name it (`llm_model_path` for the engine's `model_path`), and
+    `voice_model`, read from the llm's checkpoint once: the voice stage's name when it has a talker
+    (stages/voice.py `has_talker`), else "" (spoken answers then come from the tts stage).
 
     Raises (constructor):
         ValueError: an unknown name, or a value its setting does not allow (strings are parsed with
@@ -107,6 +109,7 @@ class Settings:
                     setattr(self, operator_name(f, spec, prefix), getattr(group, f.name))
         self.llm_model_path = str(Path(self.llm_model_path).expanduser().absolute())
         self.diffusion_model_path = str(Path(self.diffusion_model_path).expanduser().absolute())
+        self.voice_model = VOICE_MODEL if has_talker(self.llm_model_path) else ""
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
@@ -125,13 +128,11 @@ class Settings:
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:
-        """Placeholder name -> text substituted into templates (`settings.to_text`), with the derived
-        `llm_instance_group`, `llm_parameters` and `voice_model` (the voice stage's name when the served checkpoint
-        has a talker, else "": its spoken answers then come from the tts stage)."""
+        """Placeholder name -> text substituted into templates (`settings.to_text`): every attribute, with the
+        derived `llm_instance_group` and `llm_parameters`."""
         values = {name: to_text(value) for name, value in vars(self).items()}
         values["llm_instance_group"] = llm_instance_group(self.device, tensor_parallel_size=self.tensor_parallel_size)
         values["llm_parameters"] = self.llm_parameters()
-        values["voice_model"] = VOICE_MODEL if has_talker(self.llm_model_path) else ""
         return values
 
     def llm_parameters(self) -> str:
@@ -201,10 +202,9 @@ def model_names(templates: Path | None = None) -> list[str]:
 
 def served_models(settings: Settings, templates: Path | None = None) -> list[str]:
     """The models a server with `settings` runs unless told otherwise: every template's, but `voice` only when the
-    llm's checkpoint has a talker (stages/voice.py `has_talker`); without one it would load nothing and still cost
-    a Python-backend stub process that answers every request UNAVAILABLE."""
-    return [name for name in model_names(templates)
-            if name != VOICE_MODEL or has_talker(settings.llm_model_path)]
+    llm's checkpoint has a talker (`Settings.voice_model`); without one it would load nothing and still cost a
+    Python-backend stub process that answers every request UNAVAILABLE."""
+    return [name for name in model_names(templates) if name != VOICE_MODEL or settings.voice_model]
 
 
 def render_config(template: str, settings: Settings, source: str = "config.pbtxt") -> str:

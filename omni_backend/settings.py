@@ -182,9 +182,25 @@ def from_strings(cls, strings: dict[str, str], prefix: str = "", **given: Any):
     Raises:
         ValueError: a value `parse_text` refuses, or what `cls` itself refuses.
     """
+    return _parse_group(cls, strings, {f.name: prefix + f.name for f, _ in declared(cls)}, given)
+
+
+def from_environ(cls, environ, prefix: str = ""):
+    """An instance of `cls` from the `OMNI_<NAME>` variables in `environ` (NAME: each setting's `operator_name`
+    with `prefix`, upper case); unset variables and "" (for settings that are not optional) keep the default.
+
+    Raises:
+        ValueError: a value `parse_text` refuses (naming the setting as operators do), or what `cls` refuses.
+    """
+    keys = {f.name: operator_name(f, spec, prefix) for f, spec in declared(cls)}
+    return _parse_group(cls, {key: environ.get("OMNI_" + key.upper()) for key in keys.values()}, keys, {})
+
+
+def _parse_group(cls, strings: dict[str, str | None], keys: dict[str, str], given: dict[str, Any]):
+    """`cls` from `strings`, each field's text under `keys[field name]` (the name its errors give), and `given`."""
     values = dict(given)
     for f, spec in declared(cls):
-        key = prefix + f.name
+        key = keys[f.name]
         text = strings.get(key)
         if text is None or (text.strip() == "" and not spec.optional) or f.name in given:
             continue

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from omni_backend.settings import SettingGroup, declared, operator_name, parse_field, parse_text, setting
+from omni_backend.settings import SettingGroup, from_environ, parse_field, setting
 
 # The stages the front door can reach on a tritonserver of their own, and the models it calls there:
 # tts: the `tts` stage (/v1/audio/speech and chat answers spoken with a voice); diffusion: the `text2image`
@@ -50,22 +50,6 @@ class FrontDoorSettings(SettingGroup):
         forms="empty or comma-separated stage=host:port (e.g. tts=host:8001,diffusion=host2:8001)")
 
     PREFIX: ClassVar[str] = "openai_"  # the settings' names: openai_<field>, OMNI_OPENAI_<FIELD>
-
-    @classmethod
-    def from_env(cls, environ) -> "FrontDoorSettings":
-        """Defaults overridden by the settings' variables in `environ` (`OMNI_OPENAI_<FIELD>`, or `OMNI_<NAME>`
-        for a setting with its own name).
-
-        Raises:
-            ValueError: a value the setting does not allow, naming the variable's setting.
-        """
-        values = {}
-        for f, spec in declared(cls):
-            name = operator_name(f, spec, cls.PREFIX)
-            text = environ.get("OMNI_" + name.upper(), "")
-            if text.strip():
-                values[f.name] = parse_text(text, spec, name)
-        return cls(**values)
 
 
 def stage_endpoints(text: str) -> dict[str, str]:
@@ -159,7 +143,7 @@ class ServingConfig:
         grpc_port = env.get("OMNI_GRPC_PORT") or "8001"
         http_port = env.get("OMNI_HTTP_PORT") or "8000"
         metrics_port = env.get("OMNI_METRICS_PORT") or "8002"
-        settings = FrontDoorSettings.from_env(env)
+        settings = from_environ(FrontDoorSettings, env, FrontDoorSettings.PREFIX)
         models = [m.strip() for m in (env.get("OMNI_OPENAI_MODELS") or "omni_chat").split(",") if m.strip()]
         return cls(
             triton_grpc=env.get("OMNI_TRITON_GRPC") or f"localhost:{grpc_port}",

@@ -27,7 +27,9 @@ xgrammar backend; and what a cold schema costs.
 
 Writes JSON (--output, default benchmarks/results/structured.json) and a plot beside it (.png) with the CPU, its
 cores and the load average at the start, after every round and at the end: other work may share the machine (say
-so with --note).
+so with --note). In the JSON, `throughput` holds concurrency -> peer -> mode -> output tok/s per round,
+`server_levels` concurrency -> server -> its level summary per round (bench_serving's, with the valid count), and
+`summary` concurrency -> the medians and ratios.
 
 Usage:
   PYTHONPATH=$PWD .venv/bin/python scripts/bench_structured.py [--rounds 3] [--concurrency 8 32] [--dtype auto]
@@ -215,6 +217,7 @@ def main() -> None:
     services, senders = [], {}
     throughput: dict[str, dict] = {str(c): {} if "engine" in args.skip else
                                    {"engine": {"unconstrained": [], "json_schema": []}} for c in args.concurrency}
+    server_levels: dict[str, dict] = {str(c): {} for c in args.concurrency}
     try:
         if "front_door" not in args.skip:
             print("starting tritonserver (omni_chat) and the front door ...", flush=True)
@@ -252,9 +255,8 @@ def main() -> None:
                               f"{rates['json_schema']:6.1f} tok/s", flush=True)
                         continue
                     level = server_level(*senders[name], c, args.max_tokens)
-                    peer = throughput[key].setdefault(name, {"json_schema": [], "levels": []})
-                    peer["json_schema"].append(level["output_tok_s"])
-                    peer["levels"].append(level)
+                    throughput[key].setdefault(name, {"json_schema": []})["json_schema"].append(level["output_tok_s"])
+                    server_levels[key].setdefault(name, []).append(level)
                     print(f"  {name:10s} c={c:<3d} json_schema {level['output_tok_s']:6.1f} tok/s, {level['valid']}/"
                           f"{level['requests']} valid, {level['at_max_tokens']} at max tokens, TTFT p50 "
                           f"{level['ttft_s'].get('p50', 0) * 1e3:.0f} ms"
@@ -264,9 +266,10 @@ def main() -> None:
         for service in reversed(services):
             service.stop()
 
+    summary = {}
     for key, peers_at in throughput.items():
         medians = {f"{name} {mode}": statistics.median(rates) for name, modes_at in peers_at.items()
-                   for mode, rates in modes_at.items() if mode != "levels"}
+                   for mode, rates in modes_at.items()}
         ratios = {}
         if "engine" in peers_at:
             ratios["engine json_schema/unconstrained"] = ratio_of(peers_at["engine"]["json_schema"],
@@ -274,10 +277,10 @@ def main() -> None:
         if "front_door" in peers_at and "vllm" in peers_at:
             ratios["front_door/vllm json_schema"] = ratio_of(peers_at["front_door"]["json_schema"],
                                                              peers_at["vllm"]["json_schema"])
-        peers_at["median_tok_s"], peers_at["ratios"] = medians, ratios
+        summary[key] = {"median_tok_s": medians, "ratios": ratios}
         print(f"concurrency {key}: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()) + "; " +
               ", ".join(f"{k} {v['median']:.2f}x" for k, v in ratios.items()), flush=True)
-    result["throughput"] = throughput
+    result["throughput"], result["server_levels"], result["summary"] = throughput, server_levels, summary
 
     prompt = prompts(engine, 1)[0]
     engine.grammars.take_compile_seconds()

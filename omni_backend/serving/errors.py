@@ -29,6 +29,8 @@ STUB_DEAD = re.compile(r"Stub process '(?P<instance>[^']*)' is not healthy|stub 
 # shutdown ("Request for unknown model: 'llm' has no available versions"), not ready, its queue full.
 TRITON_UNAVAILABLE = re.compile(r"has no available versions|is not ready|exceeds maximum queue size|"
                                 r"Server is shutting down|unavailable", re.I)
+# gRPC statuses of a tritonserver that cannot take a call now: down, unreachable, shutting down, out of resources
+UNAVAILABLE_STATUSES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 _ENSEMBLE_PREFIX = re.compile(r"^(?:in ensemble '[^']*', )+")
 
 
@@ -105,10 +107,22 @@ def unavailable(message: str, retry_after: int | None = None) -> OpenAIError:
                        retry_after=retry_after or RETRY_AFTER_S)
 
 
-def stage_unreachable(stage: str, grpc_url: str, detail: str) -> OpenAIError:
-    """503 + Retry-After naming `stage`: gRPC found the tritonserver serving it at `grpc_url` unavailable (down,
-    unreachable or shutting down; `detail`: gRPC's words). Only the requests that need that stage get it."""
+def server_unavailable(detail: str, server: tuple[str, str] | None = None) -> OpenAIError:
+    """503 + Retry-After: a tritonserver cannot take calls (down, unreachable, shutting down or out of resources;
+    `detail`: gRPC's or Triton's words). `server`: (stage, grpc_url) of a stage on a tritonserver of its own, named
+    in the message (only the requests that need that stage get it); None: the front door's own Triton."""
+    if server is None:
+        return unavailable(f"Triton is unavailable: {detail}")
+    stage, grpc_url = server
     return unavailable(f"the {stage} stage is unavailable (its tritonserver at {grpc_url}): {detail}")
+
+
+def call_failed(status: str, detail: str, model: str, server: tuple[str, str] | None = None) -> OpenAIError:
+    """The OpenAIError for a gRPC call to `model` that failed as a whole, no stage having answered it (`status`:
+    gRPC's status name, `detail` its words): `server_unavailable` for UNAVAILABLE_STATUSES, else 500."""
+    if status in UNAVAILABLE_STATUSES:
+        return server_unavailable(detail, server)
+    return internal(f"the {model} call failed: {status}: {detail}")
 
 
 def overloaded(limit: int) -> OpenAIError:
@@ -166,7 +180,8 @@ def from_stage(error: StageError, param_for: Callable[[str], str], prompt_field:
 
 
 def from_triton(message: str, grpc_status: str | None = None, prompt_field: str | None = "prompt",
-                param_for: Callable[[str], str] | None = None) -> OpenAIError:
+                param_for: Callable[[str], str] | None = None,
+                server: tuple[str, str] | None = None) -> OpenAIError:
     """The OpenAIError for an error Triton returned (see the module docstring).
 
     Args:
@@ -176,6 +191,8 @@ def from_triton(message: str, grpc_status: str | None = None, prompt_field: str 
         prompt_field: the endpoint's name for the prompt (see `from_stage`).
         param_for: the client's name for a stage's field; default: the generation vocabulary's
             (`vocabulary.openai_param` with `prompt_field`).
+        server: the stage and gRPC address the call went to when not the front door's own Triton
+            (`server_unavailable` names them).
     """
     if STUB_DEAD.search(message):  # whatever the status (INTERNAL in 2.51): the stage's process died
         return stage_down(message)
@@ -187,8 +204,8 @@ def from_triton(message: str, grpc_status: str | None = None, prompt_field: str 
     name = (grpc_status or "").rsplit(".", 1)[-1]
     if name == "INVALID_ARGUMENT":
         return invalid(message)
-    if name in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
-        return unavailable(message)
+    if name in UNAVAILABLE_STATUSES:
+        return server_unavailable(message, server)
     if name == "NOT_FOUND" or (not name and "has no available versions" in message):
         return unavailable(f"a pipeline model is not loaded: {message}")
     if name == "DEADLINE_EXCEEDED":

@@ -32,7 +32,7 @@ class ImageBackend(TritonGrpcUser):
             try:
                 config = (await self.client.get_model_config(STAGE, as_json=True))["config"]
             except InferenceServerException as exc:
-                raise errors.stage_unreachable(STAGE, self.grpc_url, exc.message()) from None
+                raise errors.server_unavailable(exc.message(), (STAGE, self.grpc_url)) from None
             parameters = config_parameters(config)
             self._limits = ImageLimits.from_strings(parameters)
         return self._limits
@@ -61,8 +61,6 @@ class ImageBackend(TritonGrpcUser):
         try:
             result = await infer_to_completion(self.client, ENSEMBLE, inputs)  # never cancelled: see there
         except InferenceServerException as exc:
-            if exc.status() == "StatusCode.UNAVAILABLE":
-                raise errors.stage_unreachable(STAGE, self.grpc_url, exc.message()) from None
-            raise errors.from_triton(exc.message(), exc.status(), None,
-                                     lambda name: _STAGE_FIELDS.get(name, name)) from None
+            raise errors.from_triton(exc.message(), exc.status(), None, lambda name: _STAGE_FIELDS.get(name, name),
+                                     (STAGE, self.grpc_url)) from None
         return bytes(result.as_numpy(T.PNG).reshape(-1)[0]), int(result.as_numpy(T.USED_SEED).reshape(-1)[0])

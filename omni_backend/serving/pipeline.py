@@ -33,7 +33,8 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from omni_backend import tensor_names as T
 from omni_backend.engine.config import EngineConfig
 from omni_backend.operator_key import ADMIN_KEY_HEADER
-from omni_backend.serving.errors import OpenAIError, dead_stage, from_triton, internal, invalid, unavailable
+from omni_backend.serving.errors import (OpenAIError, call_failed, dead_stage, from_triton, internal, invalid,
+                                         unavailable)
 from omni_backend.serving.triton_client import TritonGrpcUser, infer_to_completion, numeric_array
 from omni_backend.settings import config_parameters, parse_field
 from omni_backend.stages.entry_points import Steps
@@ -350,7 +351,7 @@ class TritonPipeline(TritonGrpcUser):
             raise internal(f"the {info.llm.model} stream ended before its final response")
         except grpc.aio.AioRpcError as exc:
             finished = True
-            raise _stream_failure(exc, info.llm.model) from None
+            raise call_failed(exc.code().name, exc.details(), info.llm.model) from None
         finally:
             if not finished:
                 stream.cancel()
@@ -381,7 +382,7 @@ class TritonPipeline(TritonGrpcUser):
             answered = True
         except grpc.aio.AioRpcError as exc:
             answered = True
-            raise _stream_failure(exc, info.llm.model) from None
+            raise call_failed(exc.code().name, exc.details(), info.llm.model) from None
         finally:
             if not answered:
                 stream.cancel()
@@ -455,14 +456,6 @@ class TritonPipeline(TritonGrpcUser):
             prompt_logprobs=_json_list(outputs, T.PROMPT_TOKEN_LOGPROBS),
             cached_tokens=int(_scalar(outputs.get(T.CACHED_TOKENS), 0)),
         )
-
-
-def _stream_failure(exc: grpc.aio.AioRpcError, model: str) -> OpenAIError:
-    """The OpenAIError for a gRPC stream to `model` that failed as a whole: 503 when Triton is unavailable or out
-    of resources, else 500."""
-    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return unavailable(f"Triton is unavailable: {exc.details()}")
-    return internal(f"the {model} stream failed: {exc.code().name}: {exc.details()}")
 
 
 def _names(config: dict, kind: str) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 
@@ -60,18 +59,13 @@ class SpeechBackend(TritonGrpcUser):
 
         request = {"model_name": self.model, "inputs": tensors, "request_id": request_id}
         finished = False
-        try:
-            async for result in stream_one(
-                    self.client, request, lambda message: errors.from_triton(
-                        message, None, None, lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name)),
-                    lambda result: bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])):
-                finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
-                yield Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
-                            int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
-        except grpc.aio.AioRpcError as exc:  # the stream as a whole failed: no stage answered it
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                raise errors.stage_unreachable(STAGE, self.grpc_url, exc.details()) from None
-            raise errors.internal(f"the {self.model} stream failed: {exc.code().name}: {exc.details()}") from None
+        async for result in stream_one(
+                self.client, request, lambda message: errors.from_triton(
+                    message, None, None, lambda name: field if name == T.TEXT else _OPTION_FIELDS.get(name, name)),
+                lambda result: bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0]), (STAGE, self.grpc_url)):
+            finished = bool(result.as_numpy(T.FINISH_REASON).reshape(-1)[0])
+            yield Audio(result.as_numpy(T.AUDIO).reshape(-1).astype(np.int16),
+                        int(result.as_numpy(T.SAMPLE_RATE).reshape(-1)[0]))
         if not finished:
             raise errors.internal(f"the {self.model} stream ended before its final response")
 

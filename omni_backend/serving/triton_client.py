@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
-from omni_backend.serving.errors import invalid
+from omni_backend.serving.errors import call_failed, invalid
 from omni_backend.vocabulary import tensor_value_problem
 
 READY_TIMEOUT_S = 2.0  # a readiness check waits no longer for a stage's server (one that is down must not stall it)
@@ -51,10 +52,12 @@ def _unary_call_done(call: asyncio.Task) -> None:
 
 
 async def stream_one(client: aio.InferenceServerClient, request: dict, to_error: Callable[[str], Exception],
-                     last: Callable[[Any], bool]) -> AsyncIterator:
+                     last: Callable[[Any], bool], server: tuple[str, str] | None = None) -> AsyncIterator:
     """The results of a gRPC stream that carries `request` alone (`stream_infer`'s request dict), until one that
-    `last(result)` calls the last, or the stream's end. An error response raises `to_error(message)`. Closed before
-    the last result, it cancels the stream (the stage sees its request cancelled)."""
+    `last(result)` calls the last, or the stream's end. An error response raises `to_error(message)`; a stream that
+    fails as a whole raises `errors.call_failed` (`server`: the stage and address it went to when not the front
+    door's own Triton). Closed before the last result, it cancels the stream (the stage sees its request
+    cancelled)."""
     async def one_request():
         yield request
 
@@ -70,6 +73,9 @@ async def stream_one(client: aio.InferenceServerClient, request: dict, to_error:
             if finished:
                 return
         finished = True
+    except grpc.aio.AioRpcError as exc:  # no stage answered it
+        finished = True
+        raise call_failed(exc.code().name, exc.details(), request["model_name"], server) from None
     finally:
         if not finished:
             stream.cancel()

@@ -204,6 +204,13 @@ def test_stage_errors_map_by_their_kind_not_their_wording():
     assert errors.from_triton("down", "StatusCode.UNAVAILABLE").headers() == {"Retry-After": "1"}
     assert errors.from_triton("unexpected datatype", "StatusCode.INVALID_ARGUMENT").status == 400
     assert errors.from_triton("something new", None).status == 500
+    # a call no stage answered: by its gRPC status, naming the stage and address of a tritonserver of its own
+    tts = errors.call_failed("UNAVAILABLE", "connection refused", "tts", ("tts", "speech-host:8001"))
+    assert (tts.status, tts.headers()) == (503, {"Retry-After": "1"})
+    assert tts.message == "the tts stage is unavailable (its tritonserver at speech-host:8001): connection refused"
+    assert errors.call_failed("RESOURCE_EXHAUSTED", "busy", "llm").message == "Triton is unavailable: busy"
+    assert (errors.call_failed("INTERNAL", "boom", "llm").status,
+            errors.call_failed("INTERNAL", "boom", "llm").message) == (500, "the llm call failed: INTERNAL: boom")
 
 
 def test_dead_stub_is_503_for_streams_and_unary_calls():

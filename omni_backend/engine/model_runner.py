@@ -47,9 +47,9 @@ from omni_backend.engine.sampler import Sampler, SampleResult
 from omni_backend.engine.structured_output import apply_grammar_bitmask
 from omni_backend.engine.scheduler import ScheduledBatch
 from omni_backend.engine.sequence import Sequence
-from omni_backend.engine.step_inputs import StepInputs, prepare_step, staging_capacity
+from omni_backend.engine.step_inputs import StepInputs, dummy_step, host_step, staging_capacity, upload_step
 from omni_backend.engine.tensor_parallel import Shard
-from omni_backend.engine.tp_ranks import RankSpec, TensorParallelRanks, free_tcp_address
+from omni_backend.engine.tp_ranks import DummyCall, RankSpec, StepCall, TensorParallelRanks, free_tcp_address
 from omni_backend.ops.hardware import select_dtype
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,6 @@ class ModelRunner:
         self.model = self._build_model(max_positions)
         if self.ranks is not None:
             self.ranks.wait_ready()
-            self.model.register_forward_pre_hook(self.ranks.mirror, with_kwargs=True)
         capture = self._graphs_wanted()
         # rank 0 holds the most KV heads (tensor_parallel.Shard.span), so its block size bounds every rank's
         block_bytes = kv_block_bytes(hf_config, config.block_size, self.dtype, self.num_kv_heads)
@@ -298,7 +297,8 @@ class ModelRunner:
         spec = RankSpec(
             self.language_model.model, self.hf_config, max_positions, self.architecture.weight_prefixes,
             self.config.model_path, self.dtype, self.attention_backend, str(paths.cache_dir() / "kernels"),
-            self.config.block_size, self.config.max_num_seqs, self.config.max_blocks_per_seq, self.head_dim,
+            self.config.block_size, self.config.max_num_seqs, self.config.max_blocks_per_seq,
+            staging_capacity(self.config.max_num_batched_tokens, self.config.max_num_seqs), self.head_dim,
             tuple(self._graph_sizes), not self.device.is_cuda and cpu_linear.packing_available(self.dtype),
             torch.get_num_threads(), devices, free_tcp_address())
         return TensorParallelRanks(spec)
@@ -324,7 +324,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(device)
         tokens = min(config.max_num_batched_tokens, config.max_model_len)
         caches = self._allocate_kv_cache(-(-tokens // config.block_size) + 1)
-        hidden = self.model(*self._dummy_inputs(tokens, 1, 0, caches))
+        hidden = self._dummy_forward(tokens, 1, 0, caches)
         rows = min(config.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[-rows:])
         probs = logits.softmax(-1)  # the sampler's [rows, vocab] float32 temporaries
@@ -336,7 +336,7 @@ class ModelRunner:
         if graphs:
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            self.model(*self._dummy_inputs(0, 0, config.max_num_seqs, caches))
+            self._dummy_forward(0, 0, config.max_num_seqs, caches)
             torch.cuda.synchronize(device)
             graph_pool = torch.cuda.max_memory_allocated(device) - before
             peak = max(peak, torch.cuda.max_memory_reserved(device))
@@ -346,30 +346,14 @@ class ModelRunner:
         return GpuMemoryProfile(total=total, free=free, peak_torch=peak,
                                 weights=torch.cuda.memory_allocated(device), graph_pool=graph_pool)
 
-    def _dummy_inputs(self, prefill_tokens: int, prefills: int, decodes: int, caches) -> tuple:
-        """(input_ids, positions, caches, metadata) of a step that writes nothing: `prefills` sequences of
-        `prefill_tokens` tokens each (none: one sequence of `prefill_tokens`) then `decodes` one-token rows of
-        context 1, every slot -1 and every block-table entry 0."""
-        device = self.device.torch_device
-        prefills = max(prefills, 1) if prefill_tokens else 0
-        per_seq = prefill_tokens // prefills if prefills else 0
-        tokens = per_seq * prefills + decodes
-        tables = torch.zeros(prefills + decodes, self.config.max_blocks_per_seq, dtype=torch.int32, device=device)
-        ctx = torch.tensor([per_seq] * prefills + [1] * decodes, dtype=torch.int32, device=device)
-        splits, workspace = self._decode_plan(decodes) if decodes else (None, None)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
-            num_prefill_tokens=per_seq * prefills,
-            prefill_query_start_loc=(torch.arange(prefills + 1, dtype=torch.int32, device=device) * per_seq
-                                     if prefills else None),
-            prefill_context_lens=ctx[:prefills] if prefills else None,
-            prefill_block_tables=tables[:prefills] if prefills else None,
-            decode_context_lens=ctx[prefills:] if decodes else None,
-            decode_block_tables=tables[prefills:] if decodes else None,
-            decode_num_splits=splits, decode_workspace=workspace)
-        positions = torch.cat([torch.arange(per_seq, device=device).repeat(prefills),
-                               torch.zeros(decodes, dtype=torch.int64, device=device)])
-        return torch.zeros(tokens, dtype=torch.int64, device=device), positions, caches, meta
+    def _dummy_forward(self, prefill_tokens: int, prefills: int, decodes: int, caches) -> torch.Tensor:
+        """Hidden states of a step that writes nothing (`step_inputs.dummy_step`) on `caches`, the other ranks
+        running it too."""
+        if self.ranks is not None:
+            self.ranks.send(DummyCall(prefill_tokens, prefills, decodes, caches[0][0].shape[0]))
+        input_ids, positions, meta = dummy_step(prefill_tokens, prefills, decodes, self.config.max_blocks_per_seq,
+                                                self._decode_plan, self.device.torch_device)
+        return self.model(input_ids, positions, caches, meta)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -377,7 +361,7 @@ class ModelRunner:
         for prefills, decodes in WARM_UP_SHAPES:
             tokens = prefills * WARM_UP_PREFILL_TOKENS
             if prefills + decodes <= self.config.max_num_seqs and tokens + decodes <= self.config.max_num_batched_tokens:
-                self.model(*self._dummy_inputs(tokens, prefills, decodes, self.kv_caches))
+                self._dummy_forward(tokens, prefills, decodes, self.kv_caches)
         torch.cuda.synchronize(self.device.torch_device)
 
     def _capture(self, profile: GpuMemoryProfile | None) -> None:
@@ -406,25 +390,11 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping, 0, None, None, None, context_lens, block_tables, splits, workspace)
         return self.model(input_ids, positions, self.kv_caches, meta, input_embeds=input_embeds)
 
-    def _input_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's input embeddings where its token ids alone do not give them: prompt embeddings spliced in,
-        input addends added (`StepInputs`); None otherwise."""
-        if inputs.embed_rows is None and inputs.addend_rows is None:
-            return None
-        device = self.device.torch_device
-        embeds = self.model.embed_tokens(inputs.input_ids)
-        if inputs.embed_rows is not None:
-            embeds[inputs.embed_rows.to(device)] = inputs.embed_values.to(device=device, dtype=embeds.dtype)
-        if inputs.addend_rows is not None:
-            rows = inputs.addend_rows.to(device)
-            embeds[rows] = embeds[rows] + inputs.addend_values.to(device=device, dtype=embeds.dtype)
-        return embeds
-
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, hidden] of the step (decode-only steps replay a CUDA graph where one fits)."""
         self.num_step_sequences += inputs.num_seqs
         tables = self.block_table_pool.tables.index_select(0, inputs.pool_rows)
-        embeds = self._input_embeds(inputs)
+        embeds = inputs.input_embeds(self.model.embed_tokens)
         if inputs.is_decode_only and self.graph_runner is not None:
             if embeds is None and self.graph_runner.input_embeds is not None:
                 embeds = self.model.embed_tokens(inputs.input_ids)
@@ -433,15 +403,7 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         self.num_eager_steps += 1
-        p, ctx = inputs.num_prefills, inputs.context_lens
-        decodes = inputs.num_seqs - p
-        splits, workspace = self._decode_plan(decodes) if decodes else (None, None)
-        meta = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping, num_prefill_tokens=inputs.num_prefill_tokens,
-            prefill_query_start_loc=inputs.prefill_query_start_loc,
-            prefill_context_lens=ctx[:p] if p else None, prefill_block_tables=tables[:p] if p else None,
-            decode_context_lens=ctx[p:] if decodes else None, decode_block_tables=tables[p:] if decodes else None,
-            decode_num_splits=splits, decode_workspace=workspace)
+        meta = inputs.attention_metadata(tables, self._decode_plan)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, input_embeds=embeds)
 
     @torch.inference_mode()
@@ -452,7 +414,10 @@ class ModelRunner:
         computed-token counts advance only once the whole step (forward and sampling) has succeeded, so a step that raises (a CUDA out-of-memory error) can be scheduled again as it was; then the
         blocks they filled are offered to the prefix cache.
         """
-        inputs = prepare_step(batch, self.block_manager, self.staging)
+        host, sampled = host_step(batch, self.block_manager.block_size)
+        inputs = upload_step(host, self.staging, sampled)
+        if self.ranks is not None:  # the host arrays: no rank waits for a copy back from this device
+            self.ranks.send(StepCall(host, [seq.block_table for seq in batch.seqs], self.num_blocks))
         hidden = self._forward(inputs)
         if any(seq.params.prompt_logprobs is not None for seq in batch.seqs[:batch.num_prefills]):
             record_prompt_logprobs(batch, hidden, self.model.compute_logits)

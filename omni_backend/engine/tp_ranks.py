@@ -7,15 +7,17 @@ the all-reduces), written here for this engine:
   holds threads, CUDA state or Triton's stub); all join one `torch.distributed` process group over
   tcp://127.0.0.1 (gloo on CPU, NCCL on CUDA; rank r on cuda:(i + r) for an engine on cuda:i), then each loads its
   shard of the weights (engine/tensor_parallel.py) and says it is ready;
-- a forward pre-hook on rank 0's model sends every call of it (input ids, positions, the attention metadata, input
-  embeddings; host copies, pickled) down a pipe to each rank before rank 0 runs it, so the warm-up and profiling
-  calls are mirrored like the steps (nano-vllm writes its calls to shared memory and wakes each rank with an
-  event; a pipe per rank costs a copy and also tells a rank that rank 0 is gone); each rank runs the same
-  forward on its own KV cache, as many blocks as the cache rank 0 passed (its own KV heads only), and the ranks
-  meet at the all-reduces. Only rank 0 computes logits and samples: the other ranks build no output head.
+- before each call of its model rank 0 sends it (`send`), pickled, down a pipe to each rank: a step as its host
+  arrays and block tables (`StepCall`: what rank 0 uploads itself, so nothing is copied back from its device), a
+  GPU profiling or warm-up call as its shape (`DummyCall`). nano-vllm writes its calls to shared memory and wakes
+  each rank with an event; a pipe per rank costs a copy and also tells a rank that rank 0 is gone. Each rank
+  uploads the call, runs the same forward on its own KV cache, as many blocks as rank 0's cache for that call
+  (its own KV heads only), and the ranks meet at the all-reduces. Only rank 0 computes logits and samples: the
+  other ranks build no output head.
 
-A rank that has exited fails rank 0's next call at once (`mirror`). A failed step leaves the ranks out of step,
-so the engine takes no step after one (`LLMEngine.out_of_service`).
+A rank that has exited fails rank 0's next call at once: its end of the pipe closed with it, so `send` fails
+(rank 0 ignores SIGPIPE, as every Python process and Triton's Python stub do, and gets the error). A failed step
+leaves the ranks out of step, so the engine takes no step after one (`LLMEngine.out_of_service`).
 
 Shutdown: `close` asks every rank to stop, joins it, terminates one that does not exit within STOP_WAIT_S and
 destroys the process group. The ranks are daemonic (multiprocessing terminates them when rank 0's interpreter
@@ -25,7 +27,6 @@ when its peer's connection drops, or after COLLECTIVE_TIMEOUT.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import pickle
@@ -36,10 +37,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from omni_backend.engine.attention.interface import AttentionMetadata, DecodePlans
+from omni_backend.engine.attention.interface import DecodePlans
 from omni_backend.engine.attention.selector import select_attention
+from omni_backend.engine.device import Device, HostToDeviceStaging
 from omni_backend.engine.memory import allocate_kv_cache
 from omni_backend.engine.models import registry
+from omni_backend.engine.step_inputs import HostStep, block_tables, dummy_step, upload_step
 from omni_backend.engine.tensor_parallel import Shard
 
 logger = logging.getLogger(__name__)
@@ -48,8 +51,6 @@ logger = logging.getLogger(__name__)
 # compute on the slowest rank (seconds for a long CPU prefill chunk), and a failed peer still surfaces in minutes.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 STOP_WAIT_S = 10.0  # a rank asked to stop exits at once; past this it is terminated
-# Per-step fields every rank computes for itself (its own heads' split-KV plan; the torch backend's gather).
-_OWN_FIELDS = ("decode_num_splits", "decode_workspace", "decode_gather")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RankSpec:
         devices: the device of each rank ("cpu", or "cuda:N"); threads: torch threads of a CPU rank.
         pack: whether the projections run through oneDNN-packed weights (`LlamaForCausalLM.pack_for_cpu`), as
             rank 0's do; head_dim: the model's; capture_sizes: the decode batch-size buckets of split-KV plans.
+        staging_capacity: int64 elements of one step's inputs (`step_inputs.staging_capacity`).
         init_method: the process group's rendezvous (tcp://127.0.0.1:<port>).
     """
 
@@ -76,6 +78,7 @@ class RankSpec:
     block_size: int
     max_num_seqs: int
     max_blocks_per_seq: int
+    staging_capacity: int
     head_dim: int
     capture_sizes: tuple[int, ...]
     pack: bool
@@ -103,33 +106,24 @@ def _join_group(spec: RankSpec, rank: int) -> None:
 
 
 @dataclass
-class ModelCall:
-    """One call of rank 0's model as the other ranks replay it: host tensors, the attention metadata's fields
-    but the per-rank ones (`_OWN_FIELDS`), and the KV cache's block count."""
+class StepCall:
+    """A step as the other ranks run it: its host arrays, its sequences' block tables (block ids, in order) and
+    the block count of rank 0's KV cache."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    step: HostStep
+    block_tables: list[list[int]]
     num_blocks: int
-    meta: dict
-    input_embeds: torch.Tensor | None
-
-    @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> ModelCall:
-        """From the arguments of `LlamaForCausalLM.forward` (input_ids, positions, kv_caches, meta[,
-        input_embeds])."""
-        input_ids, positions, kv_caches, meta = args[:4]
-        embeds = kwargs.get("input_embeds", args[4] if len(args) > 4 else None)
-        fields = {f.name: _host(getattr(meta, f.name)) for f in dataclasses.fields(meta) if f.name not in _OWN_FIELDS}
-        return cls(input_ids.cpu(), positions.cpu(), kv_caches[0][0].shape[0], fields,
-                   None if embeds is None else embeds.cpu())
 
 
-def _host(value):
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+@dataclass
+class DummyCall:
+    """A step that writes nothing (`step_inputs.dummy_step`: rank 0's GPU profiling and warm-up) on a KV cache of
+    `num_blocks` blocks."""
 
-
-def _device(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    prefill_tokens: int
+    prefills: int
+    decodes: int
+    num_blocks: int
 
 
 class _Rank:
@@ -148,6 +142,7 @@ class _Rank:
         self.plans = DecodePlans(choice.backend, spec.capture_sizes, heads.num_q, heads.num_kv, spec.head_dim,
                                  spec.max_blocks_per_seq * spec.block_size, device)
         self.spec, self.device, self.num_kv_heads = spec, device, heads.num_kv
+        self.staging = HostToDeviceStaging(spec.staging_capacity, Device(str(device)))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def serve(self, pipe) -> None:
@@ -162,7 +157,7 @@ class _Rank:
             self.replay(call)
 
     @torch.inference_mode()
-    def replay(self, call: ModelCall) -> None:
+    def replay(self, call: StepCall | DummyCall) -> None:
         """Run `call` on this rank's shard; a cache of another block count than the last replaces it (rank 0's
         GPU profiling runs on a temporary cache before the real one)."""
         if not self.kv_caches or self.kv_caches[0][0].shape[0] != call.num_blocks:
@@ -170,13 +165,15 @@ class _Rank:
             self.kv_caches = allocate_kv_cache(self.spec.hf_config.num_hidden_layers, call.num_blocks,
                                                self.spec.block_size, self.num_kv_heads, self.spec.head_dim,
                                                self.spec.dtype, self.device)
-        fields = {name: _device(value, self.device) for name, value in call.meta.items()}
-        decodes = fields["decode_context_lens"]
-        splits, workspace = self.plans(decodes.shape[0]) if decodes is not None else (None, None)
-        meta = AttentionMetadata(**fields, decode_num_splits=splits, decode_workspace=workspace)
-        embeds = None if call.input_embeds is None else call.input_embeds.to(self.device)
-        self.model(call.input_ids.to(self.device), call.positions.to(self.device), self.kv_caches, meta,
-                   input_embeds=embeds)
+        if isinstance(call, DummyCall):
+            input_ids, positions, meta = dummy_step(call.prefill_tokens, call.prefills, call.decodes,
+                                                    self.spec.max_blocks_per_seq, self.plans, self.device)
+            self.model(input_ids, positions, self.kv_caches, meta)
+            return
+        inputs = upload_step(call.step, self.staging)
+        tables = block_tables(call.block_tables, self.spec.max_blocks_per_seq, self.device)
+        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention_metadata(tables, self.plans),
+                   input_embeds=inputs.input_embeds(self.model.embed_tokens))
 
 
 def _rank_main(spec: RankSpec, rank: int, pipe) -> None:
@@ -202,7 +199,7 @@ def _rank_main(spec: RankSpec, rank: int, pipe) -> None:
 
 class TensorParallelRanks:
     """Rank 0's side: starts ranks 1..N-1 and joins their process group (the constructor), waits until they are
-    ready (`wait_ready`), sends them each call of its model (`mirror`, a forward pre-hook) and stops them (`close`).
+    ready (`wait_ready`), sends them each call of its model (`send`) and stops them (`close`).
 
     Raises (constructor, `wait_ready`):
         RuntimeError: a rank failed to start or to build its shard (the message says which and why).
@@ -253,18 +250,20 @@ class TensorParallelRanks:
                 self.close()
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
-    def mirror(self, module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of rank 0's model: send this call to every other rank before rank 0 runs it.
+    def send(self, call: StepCall | DummyCall) -> None:
+        """Send `call` to every other rank; rank 0 runs it next.
 
         Raises:
-            RuntimeError: a rank has exited (nothing was sent: rank 0 would wait for it in the first all-reduce).
+            RuntimeError: a rank has exited (the ranks before it got the call: the engine is out of step, and
+                `close` ends them).
         """
-        for rank, process in enumerate(self._processes, start=1):
-            if not process.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {process.exitcode})")
-        payload = pickle.dumps(("forward", ModelCall.of(args, kwargs)))
-        for pipe in self._pipes:
-            pipe.send_bytes(payload)
+        payload = pickle.dumps(("forward", call))
+        for rank, (pipe, process) in enumerate(zip(self._pipes, self._processes), start=1):
+            try:
+                pipe.send_bytes(payload)
+            except OSError:  # its end of the pipe closed when it exited
+                process.join(STOP_WAIT_S)
+                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {process.exitcode})") from None
 
     def terminate(self) -> None:
         """Kill the other ranks now, so that a collective rank 0's thread is in fails instead of running on;

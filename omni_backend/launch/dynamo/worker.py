@@ -30,11 +30,19 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
-from dynamo.llm import (HttpError, KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType,
-                        WorkerMetricsPublisher, WorkerType, register_llm)
+from dynamo.llm import (
+    HttpError,
+    KvEventPublisher,
+    ModelInput,
+    ModelRuntimeConfig,
+    ModelType,
+    WorkerMetricsPublisher,
+    WorkerType,
+    register_llm,
+)
 from dynamo.runtime import DistributedRuntime
 
 from omni_backend.launch.dynamo import protocol
@@ -94,7 +102,7 @@ class Handler:
         try:
             params = protocol.sampling_params(request, engine.max_model_len)
             self.service.submit(request_id, protocol.prompt_token_ids(request), params, sink)
-        except Exception as exc:  # refused before it was queued: the request's own fault, or the queue is full
+        except Exception as exc:  # noqa: BLE001 (each refusal maps to its status: StageError.of)
             raise _http_error(StageError.of(exc, "llm")) from None
         finished = False
         try:

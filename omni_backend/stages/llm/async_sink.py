@@ -10,7 +10,7 @@ blocks are freed) and closes the stream.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from omni_backend.engine.llm_engine import RequestOutput
 from omni_backend.vocabulary import StageError
@@ -55,7 +55,7 @@ class AsyncSink:
         return self._cancelled or (self._stopped is not None and self._stopped())
 
     # the reader's side
-    def __aiter__(self) -> "AsyncSink":
+    def __aiter__(self) -> AsyncSink:
         return self
 
     async def __anext__(self) -> RequestOutput:

@@ -12,6 +12,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,8 @@ class LocalDynamo:
         return self
 
     def _start(self, ready_timeout_s: float) -> None:
-        etcd_client, etcd_peer, nats, http, *health = free_ports(4 + self.workers)
+        etcd_client, etcd_peer, nats, http = free_ports(4)
+        health = system_ports(self.workers)
         self.http_port = self.http_port or http
         data = Path(self._folder.name)
         self._spawn("etcd", [find_binary("etcd"), "--data-dir", str(data / "etcd"),
@@ -168,6 +170,26 @@ class LocalDynamo:
                     process.wait()
         self._processes.clear()
         self._folder.cleanup()
+
+
+def system_ports(count: int, first: int = 20000) -> list[int]:
+    """`count` TCP ports free on localhost now, from `first` up: Dynamo 1.6 reads `DYN_SYSTEM_PORT` as a signed
+    16-bit integer, so the OS's ephemeral ports (32768 and up here) are refused ("expected i16").
+
+    Raises:
+        OSError: fewer than `count` free ports below 32768.
+    """
+    found = []
+    for port in range(first, 32768):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise OSError(f"fewer than {count} free ports in {first}..32767 for Dynamo's system servers")
 
 
 def _answers(url: str) -> str:

@@ -11,12 +11,14 @@ What it proves: the frontend tokenizes and templates for our worker, which answe
 again is routed to the worker that holds it (every repeat reports `usage.prompt_tokens_details.cached_tokens` > 0,
 which our engine counts from its prefix cache, while a round-robin router would send every other repeat to the
 cold worker), and the router's index applied our workers' KV events (its `kv_cache_events_applied` counter) with
-none refused; a request the worker refuses is a 400 and the next one works.
+none refused; a request the worker refuses is a 400 and the next one works; a stream the client closes early ends
+the worker's handler, which aborts it in the engine (the abort itself: tests/engine/test_dynamo_worker_units.py).
 """
 
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 import openai
@@ -26,7 +28,7 @@ from omni_backend import paths
 
 pytest.importorskip("dynamo.llm", reason="the Dynamo worker's packages are not installed: scripts/setup.sh --dynamo")
 
-from omni_backend.launch.dynamo.local import LocalDynamo, find_binary, frontend_python  # noqa: E402
+from omni_backend.launch.dynamo.local import LocalDynamo, find_binary, frontend_python
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.server]
 
@@ -54,7 +56,7 @@ def _events_applied(deployment: LocalDynamo) -> dict[str, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{deployment.http_port}/metrics", timeout=10) as response:
         text = response.read().decode()
     counts: dict[str, int] = {}
-    for labels, value in re.findall(r"^dynamo_component_kv_cache_events_applied\{([^}]*)\} (\S+)$", text, re.M):
+    for labels, value in re.findall(r"^dynamo_component_kv_cache_events_applied\{([^}]*)\} (\S+)$", text, re.MULTILINE):
         key = "/".join(re.search(rf'{name}="([^"]*)"', labels).group(1) for name in ("event_type", "status"))
         counts[key] = counts.get(key, 0) + int(float(value))
     return counts
@@ -92,3 +94,20 @@ def test_a_refused_request_is_a_client_error_and_the_next_one_works(dynamo):
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                             temperature=0)
     assert answer.usage.completion_tokens == 4
+
+
+def test_a_stream_the_client_closes_is_aborted_by_the_worker(dynamo):
+    client = openai.OpenAI(base_url=dynamo.base_url, api_key="unused")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}], max_tokens=1500,
+        stream=True, extra_body={"ignore_eos": True})
+    for received, _ in enumerate(stream, 1):
+        if received == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 120  # the frontend tells the worker at its next chunk
+    while time.monotonic() < deadline:
+        if any("ended by its caller; aborting it in the engine" in dynamo.log(f"worker{i}") for i in range(2)):
+            return
+        time.sleep(0.2)
+    pytest.fail("no worker logged the abort of the closed stream")

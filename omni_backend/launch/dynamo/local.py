@@ -79,6 +79,7 @@ class LocalDynamo:
             raise ValueError(f"need at least one worker, got {self.workers}")
         self._folder = tempfile.TemporaryDirectory(prefix="omni-dynamo-local-")
         self.log_dir = self.log_dir or self._folder.name
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self._processes: list[tuple[str, subprocess.Popen]] = []
         self.env = dict(os.environ)
 
@@ -98,7 +99,7 @@ class LocalDynamo:
         """What process `name` (etcd, nats, frontend, worker0, ...) wrote so far."""
         return (Path(self.log_dir) / f"{name}.log").read_text(errors="replace")
 
-    def start(self, ready_timeout_s: float = 600.0) -> "LocalDynamo":
+    def start(self, ready_timeout_s: float = 600.0) -> LocalDynamo:
         """Start everything and wait until the frontend lists the model with every worker healthy.
 
         Raises:
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             if name is not None:
                 print(f"[dynamo] {name} exited; stopping", file=sys.stderr)
                 return 1
+        print("[dynamo] stopping (workers first)", flush=True)
         return 0
     except (FileNotFoundError, RuntimeError) as exc:
         print(f"[dynamo] {exc}", file=sys.stderr)

@@ -113,6 +113,8 @@ class Handler:
             raise _http_error(error) from None
         finally:
             if not finished:  # the caller stopped reading (disconnect, cancellation): end it in the engine
+                logger.info("request %s (Dynamo's %s) ended by its caller; aborting it in the engine", request_id,
+                            context.id())
                 sink.cancel()
 
 

@@ -32,18 +32,7 @@ import signal
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-from dynamo.llm import (
-    HttpError,
-    KvEventPublisher,
-    ModelInput,
-    ModelRuntimeConfig,
-    ModelType,
-    WorkerMetricsPublisher,
-    WorkerType,
-    register_llm,
-)
-from dynamo.runtime import DistributedRuntime
+from typing import TYPE_CHECKING
 
 from omni_backend.launch.dynamo import protocol
 from omni_backend.repository import Settings
@@ -51,6 +40,9 @@ from omni_backend.stages.llm.async_sink import AsyncSink
 from omni_backend.stages.llm.build import create_service
 from omni_backend.stages.llm.service import LLMService
 from omni_backend.vocabulary import StageError
+
+if TYPE_CHECKING:  # the Dynamo packages are optional (requirements-dynamo.txt): imported where used
+    from dynamo.llm import HttpError, ModelRuntimeConfig, WorkerMetricsPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +111,8 @@ class Handler:
 
 
 def _http_error(error: StageError) -> HttpError:
+    from dynamo.llm import HttpError
+
     return HttpError(error.kind.http_status, error.message)
 
 
@@ -134,6 +128,8 @@ def llm_parameters(options: WorkerOptions, kv_events: str) -> dict[str, str]:
 
 def runtime_config(service: LLMService) -> ModelRuntimeConfig:
     """The capacity the frontend and KV router read from the registration."""
+    from dynamo.llm import ModelRuntimeConfig
+
     engine = service.engine
     config = ModelRuntimeConfig()
     config.context_length = engine.max_model_len
@@ -160,6 +156,16 @@ async def serve(options: WorkerOptions) -> None:
         what create_service raises (bad settings, a folder the engine cannot load); Dynamo's errors when etcd or
         NATS cannot be reached.
     """
+    from dynamo.llm import (
+        KvEventPublisher,
+        ModelInput,
+        ModelType,
+        WorkerMetricsPublisher,
+        WorkerType,
+        register_llm,
+    )
+    from dynamo.runtime import DistributedRuntime
+
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, options.discovery_backend, options.request_plane)
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -82,16 +82,6 @@ def test_the_worker_reads_the_llm_stages_settings():
     assert parsed.engine.max_model_len == 512 and parsed.stage.kv_events == ""
 
 
-@pytest.fixture()
-def service(tiny_qwen2_path):
-    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
-                                    max_num_seqs=8, max_model_len=512))
-    svc = LLMService(engine)
-    svc.start()
-    yield svc
-    svc.shutdown()
-
-
 def test_an_async_stream_yields_the_engines_tokens_then_ends(service, tiny_qwen2_path):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stream=True)
     expected = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,

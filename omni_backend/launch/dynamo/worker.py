@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_backend.launch.dynamo import protocol
+from omni_backend.ops.kv_event_stream import binds
 from omni_backend.repository import Settings
 from omni_backend.stages.llm.async_sink import AsyncSink
 from omni_backend.stages.llm.build import create_service
@@ -118,11 +119,19 @@ def _http_error(error: StageError) -> HttpError:
 
 def llm_parameters(options: WorkerOptions, kv_events: str) -> dict[str, str]:
     """The llm stage's parameters for this worker: the settings (`OMNI_<NAME>` and `options.settings`), the served
-    folder, and `kv_events` unless the settings name an endpoint already."""
+    folder, and `kv_events` unless the settings name an endpoint already.
+
+    Raises:
+        ValueError: a setting the llm stage refuses, or a `kv_events` endpoint that connects (`tcp://HOST:PORT`):
+            Dynamo's relay subscribes to the worker's stream, so the stream must bind.
+    """
     overrides = dict(options.settings or {}, llm_model_path=options.model)
     parameters = Settings.load(overrides).llm_parameter_values()
     if not parameters["kv_events"]:
         parameters["kv_events"] = kv_events
+    elif not binds(parameters["kv_events"]):
+        raise ValueError(f"kv_events {parameters['kv_events']!r} connects to a subscriber; a Dynamo worker's "
+                         f"stream must bind (tcp://*:PORT or ipc://PATH) for Dynamo's relay to subscribe")
     return parameters
 
 

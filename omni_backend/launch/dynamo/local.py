@@ -85,6 +85,7 @@ class LocalDynamo:
 
     @property
     def base_url(self) -> str:
+        """The frontend's OpenAI base URL (for `openai.OpenAI(base_url=...)`)."""
         return f"http://127.0.0.1:{self.http_port}/v1"
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -100,3 +100,28 @@ def test_dockerfile_runs_the_kernel_tests_when_the_build_sees_a_gpu():
     assert "COPY tests/kernels ./tests/kernels" in text
     step = re.search(r"^RUN if nvidia-smi -L; then(.*?)fi$", text, re.M | re.S).group(1)
     assert "python -m pytest tests/kernels" in step and "kernel tests skipped at build time" in step
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """`--flag value` pairs of a container's argument list."""
+    return {flag: value for flag, value in zip(args, args[1:]) if flag.startswith("--")}
+
+
+def test_inference_pool_selects_front_doors_that_read_their_own_pods_tritonserver():
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((DOCKER / "k8s" / "inference-gateway.yaml").read_text())}
+    pool, route, pods = docs["InferencePool"], docs["HTTPRoute"], docs["Deployment"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pods["spec"]["template"]["metadata"]["labels"].items()
+    containers = {c["name"]: c for c in pods["spec"]["template"]["spec"]["containers"]}
+    front_door = flag_values(containers["openai"]["args"])
+    # the picker sends requests to, and scrapes /metrics from, the pool's port: the front door's, whose /metrics
+    # carries the vllm:* gauges of the tritonserver it names (the entrypoint's default ports, in the same pod)
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [int(front_door["--port"])]
+    assert front_door["--triton-grpc"] == "localhost:8001" and front_door["--triton-http"] == "localhost:8000"
+    assert front_door["--triton-metrics"] == "http://localhost:8002/metrics"
+    triton_env = {e["name"]: e["value"] for e in containers["triton"]["env"]}
+    assert not {"OMNI_GRPC_PORT", "OMNI_HTTP_PORT", "OMNI_METRICS_PORT"} & triton_env.keys()
+    assert triton_env["OMNI_DEVICE"] == "cuda:0"  # one engine per pod: one series of each gauge per endpoint
+    assert pipeline_steps("omni_chat") | {"omni_chat"} == set(triton_env["OMNI_MODELS"].split(","))
+    backends = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "omni-pool"}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -104,7 +105,7 @@ def test_dockerfile_runs_the_kernel_tests_when_the_build_sees_a_gpu():
 
 def flag_values(args: list[str]) -> dict[str, str]:
     """`--flag value` pairs of a container's argument list."""
-    return {flag: value for flag, value in zip(args, args[1:]) if flag.startswith("--")}
+    return {flag: value for flag, value in itertools.pairwise(args) if flag.startswith("--")}
 
 
 def test_inference_pool_selects_front_doors_that_read_their_own_pods_tritonserver():

@@ -134,17 +134,19 @@ class Settings:
         values["voice_model"] = VOICE_MODEL if has_talker(self.llm_model_path) else ""
         return values
 
+    def llm_parameter_values(self) -> dict[str, str]:
+        """The llm model's parameters as `stages.llm.parameters.parse_parameters` reads them: every operator
+        setting of `stages.llm.parameters.SETTING_GROUPS` under its key (field name, prefixed), as text; settings
+        only code sets keep their defaults (absent)."""
+        return {f"{prefix}{f.name}": to_text(getattr(self, operator_name(f, spec, prefix)))
+                for cls, prefix in LLM_SETTING_GROUPS for f, spec in declared(cls) if spec.operator}
+
     def llm_parameters(self) -> str:
-        """The llm model's `parameters` block: every setting of `stages.llm.parameters.SETTING_GROUPS` under its
-        key (field name, prefixed), one line each; settings only code sets keep their defaults."""
+        """The llm model's `parameters` block (`llm_parameter_values`), one line each."""
         lines = []
-        for cls, prefix in LLM_SETTING_GROUPS:
-            for f, spec in declared(cls):
-                if not spec.operator:
-                    continue
-                value = to_text(getattr(self, operator_name(f, spec, prefix)))
-                escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-                lines.append(f'parameters {{ key: "{prefix}{f.name}" value: {{ string_value: "{escaped}" }} }}')
+        for key, value in self.llm_parameter_values().items():
+            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}')
         return "\n".join(lines)
 
 

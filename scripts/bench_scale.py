@@ -12,7 +12,7 @@ Processes, all on this machine and started once (workers and servers stay up for
   dynamo_single      a Dynamo frontend over `single` (--router-mode kv; with one worker the mode picks nothing);
   front_door         tritonserver (omni_chat) with our OpenAI front door (`scripts/serve.sh`'s stack).
 Every engine has the same settings (SmolLM2-135M-Instruct, `--dtype`, `--max-model-len`, 32 sequences per step,
-`--kv-cache-mib` of KV cache, the default one CPU thread on a 2-core machine, prefix caching on).
+512 MiB of KV cache (about 11,600 tokens), the default one CPU thread on a 2-core machine, prefix caching on).
 
 Workloads (streamed chat completions, greedy, EOS ignored, `--new-tokens` tokens per request):
   prefix     `--prompts` distinct system prompts of about `--system-tokens` tokens each (the store manual of
@@ -64,6 +64,7 @@ ROUTES = ("kv", "round_robin", "dynamo_single")
 OVERHEAD = ("dynamo_single", "front_door")
 SCALE_CACHE = serving.BENCH_CACHE / "scale"
 MAX_NUM_SEQS = serving.MAX_NUM_SEQS
+KV_CACHE_BYTES = 512 << 20  # every engine's, the workers' as bench_serving.OmniServers gives tritonserver's
 TARGETS = {"hit rate kv/dynamo_single": (">=", 0.9), "TTFT p50 round_robin/kv": (">=", 2.0),
            "output tok/s dynamo_single/front_door c8": (">=", 0.9)}
 
@@ -102,6 +103,19 @@ class Process:
         serving.stop_process(self.process)
 
 
+def low_free_port(start: int = 20000) -> int:
+    """A TCP port free on localhost below 32768: Dynamo 1.6 reads DYN_SYSTEM_PORT as a signed 16-bit number, and
+    the OS hands out free ports above 32767 (launch/ports.py)."""
+    for port in range(start, 32768):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-32767")
+
+
 def wait_model(base_url: str, process: Process, timeout_s: float) -> str:
     """The first model id a Dynamo frontend lists once its workers are discovered (`/v1/models` non-empty)."""
     deadline = time.monotonic() + timeout_s
@@ -122,11 +136,12 @@ class DynamoStack:
     """etcd, NATS, the three workers and the three Dynamo frontends of the module docstring.
 
     `routes[name]` is (base_url, model id) of frontend `name`; `pids()` the root processes (for idle waits and
-    CPU accounting). `python` runs the workers (it must import omni_backend and dynamo) and the frontends.
+    CPU accounting). `args.worker_python` runs the workers (it imports omni_backend and ai-dynamo-runtime),
+    `args.frontend_python` the frontends (ai-dynamo).
     """
 
-    def __init__(self, args, python: str):
-        self.args, self.python = args, python
+    def __init__(self, args):
+        self.args = args
         self.processes: list[Process] = []
         self.routes: dict[str, tuple[str, str]] = {}
 
@@ -156,10 +171,11 @@ class DynamoStack:
         dynamo_env = {**os.environ, "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_client}",
                       "NATS_SERVER": f"nats://127.0.0.1:{nats}", "HF_HUB_OFFLINE": "1", "DYN_LOG": "warn"}
         workers = []
+        system_port = 20000
         for name, namespace in (("pair_0", "pair"), ("pair_1", "pair"), ("single", "single")):
-            (system_port,) = free_ports(1)
+            system_port = low_free_port(system_port + 1)
             env = {**dynamo_env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(system_port)}
-            command = [self.python, "-m", "omni_backend.launch.dynamo", "--model", str(serving.MODEL),
+            command = [self.args.worker_python, "-m", "omni_backend.launch.dynamo", "--model", str(serving.MODEL),
                        "--served-model-name", "smollm2", "--namespace", namespace]
             for setting, value in self.engine_settings().items():
                 command += ["--setting", f"{setting}={value}"]
@@ -170,7 +186,7 @@ class DynamoStack:
                                        ("dynamo_single", "single", "kv")):
             (port,) = free_ports(1)
             frontend = self._spawn(f"frontend_{route}", [
-                self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
+                self.args.frontend_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
                 "--router-mode", mode, "--namespace", namespace], dynamo_env)
             base_url = f"http://127.0.0.1:{port}"
             model = wait_model(base_url, frontend, 180)
@@ -181,7 +197,7 @@ class DynamoStack:
     def engine_settings(self) -> dict[str, object]:
         """The engine settings every worker gets (operator names, as the llm stage's)."""
         return {"dtype": self.args.dtype, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": self.args.max_model_len,
-                "kv_cache_bytes": self.args.kv_cache_mib << 20, "enable_prefix_caching": "true"}
+                "kv_cache_bytes": KV_CACHE_BYTES, "enable_prefix_caching": "true"}
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> Process:
         process = Process(name, command, env)
@@ -358,9 +374,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-overhead", action="store_true", help="no front door, no overhead workload")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's dtype")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, every engine")
-    parser.add_argument("--kv-cache-mib", type=int, default=512, help="every engine's KV cache, MiB")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the Python that runs the workers and Dynamo's frontend (imports omni_backend and dynamo)")
+    parser.add_argument("--worker-python", default=sys.executable,
+                        help="the Python that runs our workers (imports omni_backend and ai-dynamo-runtime)")
+    parser.add_argument("--frontend-python", default=sys.executable,
+                        help="the Python that runs Dynamo's frontend (imports ai-dynamo)")
     parser.add_argument("--results-dir", type=Path, default=serving.RESULTS,
                         help="where scale.json and scale.png go (smoke runs: somewhere under /tmp)")
     args = parser.parse_args(argv)
@@ -393,10 +410,10 @@ def main(argv: list[str] | None = None) -> None:
                             "order": "requests spread evenly over the prompts, shuffled per run (seed = round)",
                             "cached_tokens_source": "usage.prompt_tokens_details.cached_tokens of each answer"},
                "dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": MAX_NUM_SEQS,
-               "kv_cache_mib": args.kv_cache_mib, "cpu": cpu, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+               "kv_cache_bytes": KV_CACHE_BYTES, "cpu": cpu, "machine": f"{platform.machine()} {os.cpu_count()} cores",
                "shared_machine": "up to 5 helpers' tests and benchmarks ran beside this one", "rounds": args.rounds,
                "load_average_at_start": os.getloadavg(), "prefix": {}, "overhead": {}}
-    stack, ours = DynamoStack(args, args.python), None
+    stack, ours = DynamoStack(args), None
     prefix_runs: dict[str, list] = {}
     overhead_runs: dict[str, list] = {}
     loads = []
@@ -405,8 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.start()
         if not args.skip_overhead:
             print("starting tritonserver (omni_chat) and our front door ...", flush=True)
-            ours = serving.OmniServers(args.dtype, args.max_model_len, name="scale_front_door",
-                                       settings={"kv_cache_bytes": args.kv_cache_mib << 20}).start()
+            ours = serving.OmniServers(args.dtype, args.max_model_len, name="scale_front_door").start()
         pids = stack.pids() + (ours.pids() if ours else [])
         questions = [serving.QUESTIONS[i % len(serving.QUESTIONS)] for i in range(args.overhead_requests)]
         senders = {"dynamo_single": lambda q: serving.openai_chat_request(*stack.routes["dynamo_single"], q,

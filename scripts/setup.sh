@@ -8,8 +8,11 @@
 #   .cache/models/tiny-sd-random/          the diffusion stage's default pipeline (tiny, random: noise images)
 # Idempotent: quiet and fast when nothing changed (pip runs only when the requirements, pyproject or the torch
 # flavour change).
+#   with --dynamo (or OMNI_DYNAMO=1), for NVIDIA Dynamo (scripts/serve_dynamo.sh): requirements-dynamo.txt in .venv
+#   (the worker), .cache/dynamo-frontend/ a venv with requirements-dynamo-frontend.txt (Dynamo's frontend), and the
+#   Debian packages etcd-server and nats-server when missing (apt-get, as root)
 # Environment: OMNI_PYTHON (interpreter for the venv), OMNI_TORCH_CUDA (torch build: cpu, cu126, cu129, cu130),
-# OMNI_CACHE_DIR, OMNI_<SETTING> (see README).
+# OMNI_CACHE_DIR, OMNI_<SETTING> (see README), OMNI_DYNAMO.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -87,3 +90,23 @@ fi
 "$VENV/bin/python" -m omni_backend.setup
 # The image stage's default pipeline (tiny, random weights), built once: omni_backend/setup/tiny_sd.py.
 "$VENV/bin/python" -m omni_backend.setup.tiny_sd
+
+# NVIDIA Dynamo, only when asked for: never part of the default setup or the test path.
+if [[ "${1:-}" == --dynamo || "${OMNI_DYNAMO:-}" == 1 ]]; then
+  if ! "$VENV/bin/python" -c "import dynamo.llm, uvloop" 2>/dev/null; then
+    echo "[setup] installing the Dynamo worker's packages into .venv (requirements-dynamo.txt)"
+    pip_install --no-deps -r requirements-dynamo.txt
+  fi
+  frontend="$("$VENV/bin/python" -c "from omni_backend import paths; print(paths.cache_dir() / 'dynamo-frontend')")"
+  if ! "$frontend/bin/python" -c "import dynamo.frontend" 2>/dev/null; then
+    echo "[setup] creating $frontend for Dynamo's frontend (requirements-dynamo-frontend.txt)"
+    "$PYTHON" -m venv "$frontend"
+    # ai-dynamo --no-deps: it declares aisimulate, which only downloads from pypi.nvidia.com (see the file)
+    "$frontend/bin/python" -m pip install -q --no-deps "$(grep -E '^ai-dynamo==' requirements-dynamo-frontend.txt)"
+    "$frontend/bin/python" -m pip install -q -r <(grep -vE '^ai-dynamo==' requirements-dynamo-frontend.txt)
+  fi
+  if ! command -v etcd >/dev/null || ! PATH="$PATH:/usr/sbin" command -v nats-server >/dev/null; then
+    echo "[setup] installing etcd-server and nats-server (Debian packages)"
+    apt-get update -q && apt-get install -y -q etcd-server nats-server
+  fi
+fi

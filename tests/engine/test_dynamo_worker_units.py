@@ -1,0 +1,148 @@
+"""The Dynamo worker's request/response mapping (launch/dynamo/protocol.py) and its asyncio stream over the llm
+service (stages/llm/async_sink.py), without Dynamo: no etcd, NATS or ai-dynamo package needed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from omni_backend.engine.config import EngineConfig
+from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
+from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
+from omni_backend.launch.dynamo import protocol
+from omni_backend.repository import Settings
+from omni_backend.stages.llm.async_sink import AsyncSink
+from omni_backend.stages.llm.parameters import parse_parameters
+from omni_backend.stages.llm.service import LLMService
+from omni_backend.vocabulary import ErrorKind, StageError
+
+# A preprocessed request as Dynamo 1.6's frontend sends it for a chat completion (keys of PreprocessedRequest)
+DYNAMO_REQUEST = {
+    "model": "smollm2", "token_ids": [1, 9690, 198, 2683], "eos_token_ids": [2],
+    "stop_conditions": {"max_tokens": 32, "stop": ["\n\n"], "stop_token_ids_hidden": [7], "min_tokens": None,
+                        "ignore_eos": None, "max_thinking_tokens": None},
+    "sampling_options": {"n": None, "temperature": 0.7, "top_p": 0.9, "top_k": None, "min_p": None, "seed": 42,
+                         "presence_penalty": 0.5, "frequency_penalty": None, "repetition_penalty": None,
+                         "guided_decoding": None, "use_beam_search": None},
+    "output_options": {"logprobs": None, "prompt_logprobs": None, "skip_special_tokens": None},
+    "annotations": [], "mdc_sum": "abc",
+}
+
+
+def test_a_chat_request_maps_to_our_sampling_params():
+    params = protocol.sampling_params(DYNAMO_REQUEST, max_model_len=2048)
+    assert protocol.prompt_token_ids(DYNAMO_REQUEST) == [1, 9690, 198, 2683]
+    assert params == SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=42, presence_penalty=0.5,
+                                    stop_token_ids=[7, 2], stream=True)  # stop strings stay with the frontend
+
+
+def test_without_max_tokens_a_request_may_fill_the_context_and_ignore_eos_drops_the_eos_ids():
+    request = {"token_ids": [5, 6, 7], "eos_token_ids": [2], "stop_conditions": {"ignore_eos": True}}
+    params = protocol.sampling_params(request, max_model_len=100)
+    assert (params.max_tokens, params.ignore_eos, params.stop_token_ids) == (97, True, [])
+    assert params.temperature == 1.0  # our default, as OpenAI's
+
+
+@pytest.mark.parametrize("request_update, message", [
+    ({"token_ids": []}, "token_ids must be a non-empty list of integers"),
+    ({"token_ids": [1, "2"]}, "token_ids must be a non-empty list of integers"),
+    ({"sampling_options": {"n": 2}}, "sampling_options.n must be 1 on this worker, got 2"),
+    ({"sampling_options": {"guided_decoding": {"json": {}}}}, "sampling_options.guided_decoding is not supported"),
+    ({"output_options": {"logprobs": 2}}, "output_options.logprobs is not supported"),
+    ({"stop_conditions": {"min_tokens": 4}}, "stop_conditions.min_tokens is not supported"),
+    ({"stop_conditions": "max_tokens=3"}, "stop_conditions must be an object, got str"),
+])
+def test_what_the_worker_does_not_do_is_refused_naming_the_field(request_update, message):
+    with pytest.raises(ValueError, match=message):
+        protocol.sampling_params({**DYNAMO_REQUEST, **request_update}, max_model_len=2048)
+
+
+def test_a_bad_value_is_refused_by_our_sampling_params_as_a_client_error():
+    with pytest.raises(InvalidSamplingParam, match="top_p") as error:
+        protocol.sampling_params({**DYNAMO_REQUEST, "sampling_options": {"top_p": 1.5}}, max_model_len=2048)
+    assert StageError.of(error.value, "llm").kind is ErrorKind.INVALID_ARGUMENT  # the worker's HTTP 400
+
+
+def test_outputs_map_to_dynamo_chunks_with_usage_on_the_last():
+    middle = RequestOutput("r", "Par", [3, 4], None, prompt_tokens=40, completion_tokens=2)
+    last = RequestOutput("r", "is.", [5], "stop", prompt_tokens=40, completion_tokens=4, cached_tokens=32)
+    assert protocol.chunk(middle) == {"token_ids": [3, 4], "index": 0}
+    assert protocol.chunk(last) == {
+        "token_ids": [5], "index": 0, "finish_reason": "stop",
+        "completion_usage": {"prompt_tokens": 40, "completion_tokens": 4, "total_tokens": 44,
+                             "prompt_tokens_details": {"cached_tokens": 32}}}
+    assert protocol.health_check_payload(1)["token_ids"] == [1]
+
+
+def test_the_worker_reads_the_llm_stages_settings():
+    parameters = Settings.load({"max_model_len": 512}, environ={}).llm_parameter_values()
+    parsed = parse_parameters(parameters)
+    assert parsed.engine.max_model_len == 512 and parsed.stage.kv_events == ""
+
+
+@pytest.fixture()
+def service(tiny_qwen2_path):
+    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                    max_num_seqs=8, max_model_len=512))
+    svc = LLMService(engine)
+    svc.start()
+    yield svc
+    svc.shutdown()
+
+
+def test_an_async_stream_yields_the_engines_tokens_then_ends(service, tiny_qwen2_path):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stream=True)
+    expected = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                      max_model_len=512)).generate([[11, 12, 13]], params)[0]
+
+    async def read() -> list[RequestOutput]:
+        sink = AsyncSink(asyncio.get_running_loop())
+        service.submit("a", [11, 12, 13], params, sink)
+        return [output async for output in sink]
+
+    outputs = asyncio.run(asyncio.wait_for(read(), 60))
+    assert [t for o in outputs for t in o.token_ids] == expected.token_ids
+    assert [o.finish_reason for o in outputs][-1] == "length" and sum(o.finished for o in outputs) == 1
+
+
+def test_a_reader_that_stops_aborts_the_request_in_the_engine(smollm2_path):
+    """What the worker does when Dynamo stops a request's context: the engine drops it and frees its blocks.
+    SmolLM2, not the tiny model: 400 tokens take it seconds, so the request is still running when it stops."""
+    service = LLMService(LLMEngine(EngineConfig(model_path=smollm2_path, dtype="float32", num_kv_blocks=64,
+                                                max_model_len=512)))
+    service.start()
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, stream=True)
+    free_before = service.engine.runner.block_manager.num_free_blocks
+
+    async def read_one_then_stop() -> list:
+        stopped = []
+        sink = AsyncSink(asyncio.get_running_loop(), lambda: bool(stopped))
+        service.submit("b", [21, 22, 23], params, sink)
+        first = await sink.__anext__()
+        stopped.append(True)  # as context.is_stopped() turning True
+        return [first, *[output async for output in sink]]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(read_one_then_stop(), 60))
+        assert not any(o.finished for o in outputs) and sum(len(o.token_ids) for o in outputs) < 400
+        assert service.num_active == 0
+        deadline = time.monotonic() + 30  # the abort reaches the engine at its loop's next iteration
+        while service.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not service.engine.has_unfinished()
+        assert service.engine.runner.block_manager.num_free_blocks == free_before
+    finally:
+        service.shutdown()
+
+
+def test_a_request_the_service_fails_raises_its_error():
+    async def read() -> None:
+        sink = AsyncSink(asyncio.get_running_loop())
+        sink.fail(StageError(ErrorKind.INTERNAL, "llm failed: boom"))
+        async for _ in sink:
+            pass
+
+    with pytest.raises(StageError, match="boom"):
+        asyncio.run(read())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import itertools
 import os
 import re
@@ -12,6 +13,7 @@ from helpers import docker_image
 import yaml
 
 from omni_backend import paths, repository
+from omni_backend.setup import smollm2
 
 DOCKER = paths.PROJECT_ROOT / "docker"
 
@@ -126,3 +128,49 @@ def test_inference_pool_selects_front_doors_that_read_their_own_pods_tritonserve
     assert pipeline_steps("omni_chat") | {"omni_chat"} == set(triton_env["OMNI_MODELS"].split(","))
     backends = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
     assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "omni-pool"}]
+
+
+def launcher_flags(module: str) -> dict[str, tuple | None]:
+    """The `--flags` a launcher's argparse parser declares, with their `choices` (None: any value), read from its
+    source: the Dynamo launcher imports ai-dynamo-runtime, which the default venv does not have."""
+    tree = ast.parse((paths.PROJECT_ROOT / module).read_text())
+    flags = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            name = node.args[0].value
+            if name.startswith("--"):
+                choices = [ast.literal_eval(k.value) for k in node.keywords if k.arg == "choices"]
+                flags[name] = tuple(choices[0]) if choices else None
+    return flags
+
+
+def test_dynamo_graph_runs_our_worker_launcher_behind_a_kv_routing_frontend():
+    graph = yaml.safe_load((DOCKER / "dynamo" / "omni-dynamo.yaml").read_text())
+    assert (graph["apiVersion"], graph["kind"]) == ("nvidia.com/v1alpha1", "DynamoGraphDeployment")
+    services = graph["spec"]["services"]
+    by_type = {service["componentType"]: service for service in services.values()}
+    assert sorted(by_type) == ["frontend", "worker"]
+    frontend = by_type["frontend"]["extraPodSpec"]["mainContainer"]
+    assert frontend["command"] == ["python3", "-m", "dynamo.frontend"]
+    assert flag_values(frontend["args"])["--router-mode"] == "kv"
+    worker = by_type["worker"]
+    container = worker["extraPodSpec"]["mainContainer"]
+    assert container["command"] == ["python", "-m", "omni_backend.launch.dynamo"]
+    known = launcher_flags("omni_backend/launch/dynamo/__main__.py")
+    args = flag_values(container["args"])
+    assert "--model" in args and args.keys() <= known.keys(), args.keys() - known.keys()
+    for flag, value in args.items():
+        assert known[flag] is None or value in known[flag], (flag, value)
+    # the served folder is where the image's build converts SmolLM2 (OMNI_CACHE_DIR/models/<name>)
+    cache = re.search(r"OMNI_CACHE_DIR=(\S+)", docker_image.dockerfile_text()).group(1)
+    assert args["--model"] == f"{cache}/models/{smollm2.MODEL_NAME}"
+    # the image the Dockerfile builds with Dynamo's worker runtime, which the launcher imports
+    assert container["image"] == "omni-serving:dynamo"
+    assert "OMNI_DYNAMO" in docker_image.dockerfile_text()
+    assert "ai-dynamo-runtime==" in (paths.PROJECT_ROOT / "requirements-dynamo.txt").read_text()
+    # probes on the port Dynamo's system server (health, liveness) listens on
+    env = {e["name"]: e["value"] for e in worker["envs"]}
+    assert env["DYN_SYSTEM_ENABLED"] == "true"
+    probes = [worker["livenessProbe"], worker["readinessProbe"], container["startupProbe"]]
+    assert {probe["httpGet"]["port"] for probe in probes} == {int(env["DYN_SYSTEM_PORT"])}
+    assert worker["resources"]["limits"]["gpu"] == "1" and worker["replicas"] >= 2

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefix as prefix  # noqa: E402  (the manual the system prompts are cut from, salts)
 import bench_serving as serving  # noqa: E402  (client, percentiles, CPU facts, process handling, our servers)
 
+from omni_backend.launch.dynamo.local import find_binary, frontend_python  # noqa: E402
 from omni_backend.launch.ports import free_ports  # noqa: E402
 
 ROUTES = ("kv", "round_robin", "dynamo_single")
@@ -158,13 +159,13 @@ class DynamoStack:
         data = SCALE_CACHE / "etcd-data"
         shutil.rmtree(data, ignore_errors=True)  # no registration of an earlier run survives
         etcd = self._spawn("etcd", [
-            "etcd", "--name", "bench", "--data-dir", str(data),
+            find_binary("etcd"), "--name", "bench", "--data-dir", str(data),
             "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
             "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
             "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-cluster", f"bench=http://127.0.0.1:{etcd_peer}"])
-        nats_server = self._spawn("nats", ["nats-server", "-a", "127.0.0.1", "-p", str(nats), "-js",
+        nats_server = self._spawn("nats", [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(nats), "-js",
                                            "-sd", str(SCALE_CACHE / "nats-data")])
         etcd.wait_http(f"http://127.0.0.1:{etcd_client}/health", 60)
         nats_server.wait_port(nats, 60)
@@ -376,16 +377,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, every engine")
     parser.add_argument("--worker-python", default=sys.executable,
                         help="the Python that runs our workers (imports omni_backend and ai-dynamo-runtime)")
-    parser.add_argument("--frontend-python", default=sys.executable,
-                        help="the Python that runs Dynamo's frontend (imports ai-dynamo)")
+    parser.add_argument("--frontend-python", default=str(frontend_python()),
+                        help="the Python that runs Dynamo's frontend (imports ai-dynamo; default: the venv "
+                             "scripts/setup.sh --dynamo makes)")
     parser.add_argument("--results-dir", type=Path, default=serving.RESULTS,
                         help="where scale.json and scale.png go (smoke runs: somewhere under /tmp)")
     args = parser.parse_args(argv)
     if min(args.rounds, args.prompts, args.requests, args.concurrency, args.overhead_requests) < 1:
         parser.error("--rounds, --prompts, --requests, --concurrency and --overhead-requests must be at least 1")
-    for program in ("etcd", "nats-server"):
-        if shutil.which(program) is None:
-            parser.error(f"{program} is not installed (Debian: apt-get install etcd-server nats-server)")
+    try:
+        for program in ("etcd", "nats-server"):
+            find_binary(program)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
     return args
 
 

@@ -34,7 +34,8 @@ routing can only move prefill work between workers that compete for the same cor
 more about how much prefill each route avoids than about a cluster where each worker has its own GPU.
 Writes scale.json and scale.png into --results-dir (default benchmarks/results).
 
-Usage: PYTHONPATH=$PWD .venv/bin/python scripts/bench_scale.py [--rounds 2] [--requests 64] [--prompts 8]
+Usage (after scripts/setup.sh --dynamo: etcd, NATS, the worker runtime in .venv, the frontend's venv):
+       PYTHONPATH=$PWD .venv/bin/python scripts/bench_scale.py [--rounds 2] [--requests 64] [--prompts 8]
            [--system-tokens 1000] [--new-tokens 16] [--concurrency 8] [--skip-overhead] [--results-dir DIR]
 """
 
@@ -187,8 +188,8 @@ class DynamoStack:
                                        ("dynamo_single", "single", "kv")):
             (port,) = free_ports(1)
             frontend = self._spawn(f"frontend_{route}", [
-                self.args.frontend_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
-                "--router-mode", mode, "--namespace", namespace], dynamo_env)
+                self.args.frontend_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                "--http-port", str(port), "--router-mode", mode, "--namespace", namespace], dynamo_env)
             base_url = f"http://127.0.0.1:{port}"
             model = wait_model(base_url, frontend, 180)
             serving.openai_chat_request(base_url, model, "Hi", 4)  # warm-up

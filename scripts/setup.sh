@@ -102,8 +102,11 @@ if [[ "${1:-}" == --dynamo || "${OMNI_DYNAMO:-}" == 1 ]]; then
     echo "[setup] creating $frontend for Dynamo's frontend (requirements-dynamo-frontend.txt)"
     "$PYTHON" -m venv "$frontend"
     # ai-dynamo --no-deps: it declares aisimulate, which only downloads from pypi.nvidia.com (see the file)
-    "$frontend/bin/python" -m pip install -q --no-deps "$(grep -E '^ai-dynamo==' requirements-dynamo-frontend.txt)"
-    "$frontend/bin/python" -m pip install -q -r <(grep -vE '^ai-dynamo==' requirements-dynamo-frontend.txt)
+    "$frontend/bin/python" -m pip install -q --no-deps "$(grep -E '^ai-dynamo==' requirements-dynamo-frontend.txt)" \
+      2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    # pip then notes that aisimulate is missing ("dependency conflicts"): expected, left out of its output
+    "$frontend/bin/python" -m pip install -q -r <(grep -vE '^ai-dynamo==' requirements-dynamo-frontend.txt) 2>&1 \
+      | { grep -vE "dependency resolver does not currently|aisimulate|is ignored: it is neither" || true; }
   fi
   if ! command -v etcd >/dev/null || ! PATH="$PATH:/usr/sbin" command -v nats-server >/dev/null; then
     echo "[setup] installing etcd-server and nats-server (Debian packages)"

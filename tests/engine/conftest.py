@@ -1,4 +1,5 @@
-"""Fixtures for engine tests: the SmolLM2 checkpoint made at setup and a tiny random Qwen2 built here."""
+"""Fixtures for engine tests: the SmolLM2 checkpoint made at setup, a tiny random Qwen2 built here, and a running
+LLMService over it."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ def tiny_qwen2_path(tmp_path_factory, smollm2_path) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture()
+def service(tiny_qwen2_path):
+    """A started LLMService over the tiny Qwen2 (8 sequences, 64 blocks, 512 tokens), shut down after the test."""
+    from omni_backend.engine.config import EngineConfig
+    from omni_backend.engine.llm_engine import LLMEngine
+    from omni_backend.stages.llm.service import LLMService
+
+    svc = LLMService(LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
+                                            max_num_seqs=8, max_model_len=512)))
+    svc.start()
+    yield svc
+    svc.shutdown()

@@ -82,14 +82,20 @@ def test_the_worker_reads_the_llm_stages_settings():
     assert parsed.engine.max_model_len == 512 and parsed.stage.kv_events == ""
 
 
-@pytest.fixture()
-def service(tiny_qwen2_path):
-    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
-                                    max_num_seqs=8, max_model_len=512))
-    svc = LLMService(engine)
-    svc.start()
-    yield svc
-    svc.shutdown()
+def test_the_worker_publishes_its_kv_events_on_a_socket_dynamo_can_subscribe_to(monkeypatch):
+    """worker.py without the Dynamo packages: only `serve` and the error mapping import them."""
+    from omni_backend.launch.dynamo.worker import WorkerOptions, llm_parameters
+
+    monkeypatch.delenv("OMNI_KV_EVENTS", raising=False)
+    options = WorkerOptions("/models/m", settings={"max_model_len": "512"})
+    parameters = llm_parameters(options, "ipc:///tmp/w/kv-events")
+    assert (parameters["model_path"], parameters["max_model_len"]) == ("/models/m", "512")
+    assert parameters["kv_events"] == "ipc:///tmp/w/kv-events"
+    options.settings["kv_events"] = "tcp://*:5557"
+    assert llm_parameters(options, "ipc:///tmp/w/kv-events")["kv_events"] == "tcp://*:5557"
+    options.settings["kv_events"] = "tcp://indexer:5557"
+    with pytest.raises(ValueError, match="must bind"):
+        llm_parameters(options, "ipc:///tmp/w/kv-events")
 
 
 def test_an_async_stream_yields_the_engines_tokens_then_ends(service, tiny_qwen2_path):

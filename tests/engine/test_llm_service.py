@@ -21,16 +21,6 @@ from omni_backend.stages.llm.triton_io import cancel_key, generation_inputs, is_
 from omni_backend.vocabulary import ErrorKind, FieldError, StageError
 
 
-@pytest.fixture()
-def service(tiny_qwen2_path):
-    engine = LLMEngine(EngineConfig(model_path=tiny_qwen2_path, dtype="float32", num_kv_blocks=64,
-                                    max_num_seqs=8, max_model_len=512))
-    svc = LLMService(engine)
-    svc.start()
-    yield svc
-    svc.shutdown()
-
-
 def _streams_equal_offline(service, model_path, prompts, params, sink_type=ListSink) -> list:
     """Submit `prompts` to the running service, one sink each; assert every stream joins to the offline engine's
     greedy result with one final output. Returns the sinks."""

@@ -12,6 +12,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -78,11 +79,13 @@ class LocalDynamo:
             raise ValueError(f"need at least one worker, got {self.workers}")
         self._folder = tempfile.TemporaryDirectory(prefix="omni-dynamo-local-")
         self.log_dir = self.log_dir or self._folder.name
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self._processes: list[tuple[str, subprocess.Popen]] = []
         self.env = dict(os.environ)
 
     @property
     def base_url(self) -> str:
+        """The frontend's OpenAI base URL (for `openai.OpenAI(base_url=...)`)."""
         return f"http://127.0.0.1:{self.http_port}/v1"
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -97,7 +100,7 @@ class LocalDynamo:
         """What process `name` (etcd, nats, frontend, worker0, ...) wrote so far."""
         return (Path(self.log_dir) / f"{name}.log").read_text(errors="replace")
 
-    def start(self, ready_timeout_s: float = 600.0) -> "LocalDynamo":
+    def start(self, ready_timeout_s: float = 600.0) -> LocalDynamo:
         """Start everything and wait until the frontend lists the model with every worker healthy.
 
         Raises:
@@ -112,7 +115,8 @@ class LocalDynamo:
         return self
 
     def _start(self, ready_timeout_s: float) -> None:
-        etcd_client, etcd_peer, nats, http, *health = free_ports(4 + self.workers)
+        etcd_client, etcd_peer, nats, http = free_ports(4)
+        health = system_ports(self.workers)
         self.http_port = self.http_port or http
         data = Path(self._folder.name)
         self._spawn("etcd", [find_binary("etcd"), "--data-dir", str(data / "etcd"),
@@ -170,6 +174,26 @@ class LocalDynamo:
         self._folder.cleanup()
 
 
+def system_ports(count: int, first: int = 20000) -> list[int]:
+    """`count` TCP ports free on localhost now, from `first` up: Dynamo 1.6 reads `DYN_SYSTEM_PORT` as a signed
+    16-bit integer, so the OS's ephemeral ports (32768 and up here) are refused ("expected i16").
+
+    Raises:
+        OSError: fewer than `count` free ports below 32768.
+    """
+    found = []
+    for port in range(first, 32768):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise OSError(f"fewer than {count} free ports in {first}..32767 for Dynamo's system servers")
+
+
 def _answers(url: str) -> str:
     """The body `url` answers with status 200, "" otherwise."""
     try:
@@ -205,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             if name is not None:
                 print(f"[dynamo] {name} exited; stopping", file=sys.stderr)
                 return 1
+        print("[dynamo] stopping (workers first)", flush=True)
         return 0
     except (FileNotFoundError, RuntimeError) as exc:
         print(f"[dynamo] {exc}", file=sys.stderr)

@@ -99,9 +99,8 @@ def chunk(output: RequestOutput) -> dict:
     """Dynamo's engine output for one of our outputs: its new token ids, and on the final one the finish reason
     and usage."""
     response: dict[str, Any] = {"token_ids": list(output.token_ids), "index": 0}
-    if output.finished:
-        response["finish_reason"] = output.finish_reason
-        response["completion_usage"] = usage(output)
+    if output.finished:  # Dynamo's LLMEngineOutput fields, not the Triton tensor of the same name
+        response.update(finish_reason=output.finish_reason, completion_usage=usage(output))
     return response
 
 

@@ -32,25 +32,18 @@ import signal
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-from dynamo.llm import (
-    HttpError,
-    KvEventPublisher,
-    ModelInput,
-    ModelRuntimeConfig,
-    ModelType,
-    WorkerMetricsPublisher,
-    WorkerType,
-    register_llm,
-)
-from dynamo.runtime import DistributedRuntime
+from typing import TYPE_CHECKING
 
 from omni_backend.launch.dynamo import protocol
+from omni_backend.ops.kv_event_stream import binds
 from omni_backend.repository import Settings
 from omni_backend.stages.llm.async_sink import AsyncSink
 from omni_backend.stages.llm.build import create_service
 from omni_backend.stages.llm.service import LLMService
 from omni_backend.vocabulary import StageError
+
+if TYPE_CHECKING:  # the Dynamo packages are optional (requirements-dynamo.txt): imported where used
+    from dynamo.llm import HttpError, ModelRuntimeConfig, WorkerMetricsPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -113,25 +106,39 @@ class Handler:
             raise _http_error(error) from None
         finally:
             if not finished:  # the caller stopped reading (disconnect, cancellation): end it in the engine
+                logger.info("request %s (Dynamo's %s) ended by its caller; aborting it in the engine", request_id,
+                            context.id())
                 sink.cancel()
 
 
 def _http_error(error: StageError) -> HttpError:
+    from dynamo.llm import HttpError
+
     return HttpError(error.kind.http_status, error.message)
 
 
 def llm_parameters(options: WorkerOptions, kv_events: str) -> dict[str, str]:
     """The llm stage's parameters for this worker: the settings (`OMNI_<NAME>` and `options.settings`), the served
-    folder, and `kv_events` unless the settings name an endpoint already."""
+    folder, and `kv_events` unless the settings name an endpoint already.
+
+    Raises:
+        ValueError: a setting the llm stage refuses, or a `kv_events` endpoint that connects (`tcp://HOST:PORT`):
+            Dynamo's relay subscribes to the worker's stream, so the stream must bind.
+    """
     overrides = dict(options.settings or {}, llm_model_path=options.model)
     parameters = Settings.load(overrides).llm_parameter_values()
     if not parameters["kv_events"]:
         parameters["kv_events"] = kv_events
+    elif not binds(parameters["kv_events"]):
+        raise ValueError(f"kv_events {parameters['kv_events']!r} connects to a subscriber; a Dynamo worker's "
+                         f"stream must bind (tcp://*:PORT or ipc://PATH) for Dynamo's relay to subscribe")
     return parameters
 
 
 def runtime_config(service: LLMService) -> ModelRuntimeConfig:
     """The capacity the frontend and KV router read from the registration."""
+    from dynamo.llm import ModelRuntimeConfig
+
     engine = service.engine
     config = ModelRuntimeConfig()
     config.context_length = engine.max_model_len
@@ -158,6 +165,16 @@ async def serve(options: WorkerOptions) -> None:
         what create_service raises (bad settings, a folder the engine cannot load); Dynamo's errors when etcd or
         NATS cannot be reached.
     """
+    from dynamo.llm import (
+        KvEventPublisher,
+        ModelInput,
+        ModelType,
+        WorkerMetricsPublisher,
+        WorkerType,
+        register_llm,
+    )
+    from dynamo.runtime import DistributedRuntime
+
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, options.discovery_backend, options.request_plane)
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefix as prefix  # noqa: E402  (the manual the system prompts are cut from, salts)
 import bench_serving as serving  # noqa: E402  (client, percentiles, CPU facts, process handling, our servers)
 
-from omni_backend.launch.dynamo.local import find_binary, frontend_python  # noqa: E402
+from omni_backend.launch.dynamo.local import find_binary, frontend_python, system_ports  # noqa: E402
 from omni_backend.launch.ports import free_ports  # noqa: E402
 
 ROUTES = ("kv", "round_robin", "dynamo_single")
@@ -103,19 +103,6 @@ class Process:
 
     def stop(self) -> None:
         serving.stop_process(self.process)
-
-
-def low_free_port(start: int = 20000) -> int:
-    """A TCP port free on localhost below 32768: Dynamo 1.6 reads DYN_SYSTEM_PORT as a signed 16-bit number, and
-    the OS hands out free ports above 32767 (launch/ports.py)."""
-    for port in range(start, 32768):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {start}-32767")
 
 
 def wait_model(base_url: str, process: Process, timeout_s: float) -> str:
@@ -173,9 +160,8 @@ class DynamoStack:
         dynamo_env = {**os.environ, "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_client}",
                       "NATS_SERVER": f"nats://127.0.0.1:{nats}", "HF_HUB_OFFLINE": "1", "DYN_LOG": "warn"}
         workers = []
-        system_port = 20000
-        for name, namespace in (("pair_0", "pair"), ("pair_1", "pair"), ("single", "single")):
-            system_port = low_free_port(system_port + 1)
+        for (name, namespace), system_port in zip((("pair_0", "pair"), ("pair_1", "pair"), ("single", "single")),
+                                                  system_ports(3)):
             env = {**dynamo_env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(system_port)}
             command = [self.args.worker_python, "-m", "omni_backend.launch.dynamo", "--model", str(serving.MODEL),
                        "--served-model-name", "smollm2", "--namespace", namespace]
@@ -300,15 +286,6 @@ def ratios(results: dict) -> tuple[dict, dict]:
     }
     return ({k: v for k, (v, _) in found.items() if v is not None},
             {k: each for k, (v, each) in found.items() if v is not None})
-
-
-def targets(found: dict) -> dict:
-    """Each target: {"target": ">= 0.9", "value", "met"} (value and met None when the ratio is missing)."""
-    out = {}
-    for key, (op, bound) in TARGETS.items():
-        value = found.get(key)
-        out[key] = {"target": f"{op} {bound}", "value": value, "met": None if value is None else value >= bound}
-    return out
 
 
 def line(name: str, run: dict) -> str:
@@ -460,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     results["prefix"] = {route: median_run(runs) for route, runs in prefix_runs.items()}
     results["overhead"] = {name: serving.median_level(runs) for name, runs in overhead_runs.items()}
     results["ratios"], results["ratios_per_round"] = ratios(results)
-    results["targets"] = targets(results["ratios"])
+    results["targets"] = prefix.targets(results["ratios"], TARGETS)
     results["seconds"] = time.perf_counter() - started
     print(f"medians over {args.rounds} round(s); CPU: {cpu['model']}, {cpu['cores']} cores; load average at start "
           f"{results['load_average_at_start'][0]:.1f}, at end {results['load_average_at_end'][0]:.1f}")

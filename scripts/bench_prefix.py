@@ -302,10 +302,11 @@ TARGETS = {"shared_system ours_off/ours_on TTFT p50": (">=", 3.0), "shared_syste
            "multi_turn ours_on/vllm TTFT p50": ("<=", 1.0)}
 
 
-def targets(found: dict) -> dict:
-    """Each target: {"target": ">= 3.0", "value", "met"} (value and met None when the ratio is missing)."""
+def targets(found: dict, table: dict | None = None) -> dict:
+    """Each target of `table` ({name: (">=" or "<=", bound)}; default TARGETS): {"target": ">= 3.0", "value",
+    "met"} (value and met None when the ratio is missing)."""
     out = {}
-    for key, (op, bound) in TARGETS.items():
+    for key, (op, bound) in (TARGETS if table is None else table).items():
         value = found.get(key)
         met = None if value is None else (value >= bound if op == ">=" else value <= bound)
         out[key] = {"target": f"{op} {bound}", "value": value, "met": met}

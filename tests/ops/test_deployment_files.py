@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
 import re
 import subprocess
@@ -11,6 +13,7 @@ from helpers import docker_image
 import yaml
 
 from omni_backend import paths, repository
+from omni_backend.setup import smollm2
 
 DOCKER = paths.PROJECT_ROOT / "docker"
 
@@ -100,3 +103,74 @@ def test_dockerfile_runs_the_kernel_tests_when_the_build_sees_a_gpu():
     assert "COPY tests/kernels ./tests/kernels" in text
     step = re.search(r"^RUN if nvidia-smi -L; then(.*?)fi$", text, re.M | re.S).group(1)
     assert "python -m pytest tests/kernels" in step and "kernel tests skipped at build time" in step
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """`--flag value` pairs of a container's argument list."""
+    return {flag: value for flag, value in itertools.pairwise(args) if flag.startswith("--")}
+
+
+def test_inference_pool_selects_front_doors_that_read_their_own_pods_tritonserver():
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((DOCKER / "k8s" / "inference-gateway.yaml").read_text())}
+    pool, route, pods = docs["InferencePool"], docs["HTTPRoute"], docs["Deployment"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pods["spec"]["template"]["metadata"]["labels"].items()
+    containers = {c["name"]: c for c in pods["spec"]["template"]["spec"]["containers"]}
+    front_door = flag_values(containers["openai"]["args"])
+    # the picker sends requests to, and scrapes /metrics from, the pool's port: the front door's, whose /metrics
+    # carries the vllm:* gauges of the tritonserver it names (the entrypoint's default ports, in the same pod)
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [int(front_door["--port"])]
+    assert front_door["--triton-grpc"] == "localhost:8001" and front_door["--triton-http"] == "localhost:8000"
+    assert front_door["--triton-metrics"] == "http://localhost:8002/metrics"
+    triton_env = {e["name"]: e["value"] for e in containers["triton"]["env"]}
+    assert not {"OMNI_GRPC_PORT", "OMNI_HTTP_PORT", "OMNI_METRICS_PORT"} & triton_env.keys()
+    assert triton_env["OMNI_DEVICE"] == "cuda:0"  # one engine per pod: one series of each gauge per endpoint
+    assert pipeline_steps("omni_chat") | {"omni_chat"} == set(triton_env["OMNI_MODELS"].split(","))
+    backends = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "omni-pool"}]
+
+
+def launcher_flags(module: str) -> dict[str, tuple | None]:
+    """The `--flags` a launcher's argparse parser declares, with their `choices` (None: any value), read from its
+    source: the Dynamo launcher imports ai-dynamo-runtime, which the default venv does not have."""
+    tree = ast.parse((paths.PROJECT_ROOT / module).read_text())
+    flags = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            name = node.args[0].value
+            if name.startswith("--"):
+                choices = [ast.literal_eval(k.value) for k in node.keywords if k.arg == "choices"]
+                flags[name] = tuple(choices[0]) if choices else None
+    return flags
+
+
+def test_dynamo_graph_runs_our_worker_launcher_behind_a_kv_routing_frontend():
+    graph = yaml.safe_load((DOCKER / "dynamo" / "omni-dynamo.yaml").read_text())
+    assert (graph["apiVersion"], graph["kind"]) == ("nvidia.com/v1alpha1", "DynamoGraphDeployment")
+    services = graph["spec"]["services"]
+    by_type = {service["componentType"]: service for service in services.values()}
+    assert sorted(by_type) == ["frontend", "worker"]
+    frontend = by_type["frontend"]["extraPodSpec"]["mainContainer"]
+    assert frontend["command"] == ["python3", "-m", "dynamo.frontend"]
+    assert flag_values(frontend["args"])["--router-mode"] == "kv"
+    worker = by_type["worker"]
+    container = worker["extraPodSpec"]["mainContainer"]
+    assert container["command"] == ["python", "-m", "omni_backend.launch.dynamo"]
+    known = launcher_flags("omni_backend/launch/dynamo/__main__.py")
+    args = flag_values(container["args"])
+    assert "--model" in args and args.keys() <= known.keys(), args.keys() - known.keys()
+    for flag, value in args.items():
+        assert known[flag] is None or value in known[flag], (flag, value)
+    # the served folder is where the image's build converts SmolLM2 (OMNI_CACHE_DIR/models/<name>)
+    cache = re.search(r"OMNI_CACHE_DIR=(\S+)", docker_image.dockerfile_text()).group(1)
+    assert args["--model"] == f"{cache}/models/{smollm2.MODEL_NAME}"
+    # the image the Dockerfile builds with Dynamo's worker runtime, which the launcher imports
+    assert container["image"] == "omni-serving:dynamo"
+    assert "OMNI_DYNAMO" in docker_image.dockerfile_text()
+    assert "ai-dynamo-runtime==" in (paths.PROJECT_ROOT / "requirements-dynamo.txt").read_text()
+    # probes on the port Dynamo's system server (health, liveness) listens on
+    env = {e["name"]: e["value"] for e in worker["envs"]}
+    assert env["DYN_SYSTEM_ENABLED"] == "true"
+    probes = [worker["livenessProbe"], worker["readinessProbe"], container["startupProbe"]]
+    assert {probe["httpGet"]["port"] for probe in probes} == {int(env["DYN_SYSTEM_PORT"])}
+    assert worker["resources"]["limits"]["gpu"] == "1" and worker["replicas"] >= 2

@@ -351,39 +351,39 @@ COLORS = {"ours_on": "#2a7", "ours_off": "#9c9", "vllm": "#a3c"}
 
 
 def plot(results: dict, path: Path) -> None:
-    """Two panels of bars per workload and peer: TTFT p50 (s) and output tok/s, medians; dots for each round."""
+    """Three panels of bars per workload and peer: TTFT p50 and p99 (s) and output tok/s, medians; dots for each
+    round."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax_ttft, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (("TTFT p50, s (lower is better)", lambda r: r["ttft_s"].get("p50", float("nan"))),
+              ("TTFT p99, s (lower is better)", lambda r: r["ttft_s"].get("p99", float("nan"))),
+              ("output tokens / s (higher is better)", lambda r: r["output_tok_s"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.4))
     workloads = list(results["workloads"])
     names = [name for name in PEERS if any(name in peers for peers in results["workloads"].values())]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         x = [w + (i - (len(names) - 1) / 2) * width for w in range(len(workloads))]
         runs = [results["workloads"][w].get(name) for w in workloads]
-        for ax, median, each in ((ax_ttft, lambda r: r["ttft_s"].get("p50", float("nan")),
-                                  lambda r: [x["ttft_s"].get("p50", float("nan")) for x in r["rounds"]]),
-                                 (ax_tput, lambda r: r["output_tok_s"],
-                                  lambda r: [x["output_tok_s"] for x in r["rounds"]])):
-            ax.bar(x, [median(r) if r else float("nan") for r in runs], width, color=COLORS[name],
-                   label=LABELS[name])
+        for ax, (_, read) in zip(axes, panels):
+            ax.bar(x, [read(r) if r else float("nan") for r in runs], width, color=COLORS[name], label=LABELS[name])
             for xi, r in zip(x, runs):
                 if r:
-                    ax.plot([xi] * len(r["rounds"]), each(r), ".", color="black", alpha=0.6)
-    for ax, title in ((ax_ttft, "TTFT p50, s (lower is better)"), (ax_tput, "output tokens / s (higher is better)")):
+                    ax.plot([xi] * len(r["rounds"]), [read(each) for each in r["rounds"]], ".", color="black",
+                            alpha=0.6)
+    for ax, (title, _) in zip(axes, panels):
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
-    ax_ttft.legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     cpu, load = results["cpu"], results["workload"]
     ours = results.get("ours_runtime", {}).get("dtype") or results.get("ours_dtype") or results["dtype"]
     ours += " (auto)" if results.get("ours_dtype") == "auto" else ""
     fig.suptitle(f"SmolLM2-135M chat, ours {ours}, vLLM {results['dtype']}, {load['new_tokens']} tokens per "
-                 f"request. shared_system: "
-                 f"~{load['system_tokens']}-token system prompt, concurrency {load['concurrency']}; multi_turn: "
-                 f"{load['concurrency']} conversations x {load['turns']} turns\nmedian of {results['rounds']} "
-                 f"rounds (dots: each round); {cpu['model']}, {cpu['cores']} cores", fontsize=9)
+                 f"request; {cpu['model']}, {cpu['cores']} cores\nshared_system: ~{load['system_tokens']}-token "
+                 f"system prompt, concurrency {load['concurrency']}; multi_turn: {load['concurrency']} conversations "
+                 f"x {load['turns']} turns; median of {results['rounds']} rounds (dots: each round)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

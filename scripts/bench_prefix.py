@@ -14,8 +14,9 @@ tokens per request):
 Every (peer, workload, round) run starts cold: a fresh random salt sentence opens every system prompt of that run
 (shared_system: one salt for the run; multi_turn: one per conversation), so no block cached by an earlier run (or
 the warm-up) matches; within the run the shared prefixes are what the cache can reuse.
-Peers, all on SmolLM2-135M-Instruct with one `--dtype` and one `--max-model-len`, each decoding at most 32
-sequences together:
+Peers, all on SmolLM2-135M-Instruct with one `--dtype` (ours: `--ours-dtype`, by default the same; `auto` lets our
+engine choose, and what it ran is read from omni_runtime_info into the JSON's `ours_runtime`) and one
+`--max-model-len`, each decoding at most 32 sequences together:
   ours_on   our OpenAI front door (`python -m omni_backend.serving`) in front of tritonserver's omni_chat,
             repository rendered with enable_prefix_caching true (OMNI_ENABLE_PREFIX_CACHING, the default);
   ours_off  a second tritonserver and front door, rendered with enable_prefix_caching false;
@@ -30,11 +31,13 @@ output tok/s (generated tokens / wall time), prompt and cached tokens summed ove
 own prefix-cache counters over the run (ours: omni_prefix_cache_{queries,hits}_total on Triton's metrics port;
 vLLM: vllm:prefix_cache_{queries,hits}_total on /metrics; tokens). Per workload and peer the report is the median
 over the rounds of each number; the JSON keeps every round. Ratios (of the medians, and within each round): TTFT p50
-ours_off / ours_on (target >= 3 on shared_system) and ours_on / vllm (target <= 1.0 on both workloads).
-Writes prefix.json and prefix.png into --results-dir (default benchmarks/results).
+ours_off / ours_on (target >= 3 on shared_system); TTFT p50 and p99 ours_on / vllm (target <= 1.0 on both workloads)
+and output tok/s ours_on / vllm (target >= 1.0 on both, issue 30).
+Writes <name>.json and <name>.png (--name, default prefix) into --results-dir (default benchmarks/results).
 
 Usage: PYTHONPATH=$PWD .venv/bin/python scripts/bench_prefix.py [--rounds 3] [--requests 32] [--new-tokens 32]
-           [--concurrency 8] [--turns 5] [--skip ours_off vllm] [--results-dir DIR]
+           [--concurrency 8] [--turns 5] [--dtype float32|bfloat16] [--ours-dtype auto|float32|bfloat16]
+           [--skip ours_off vllm] [--results-dir DIR] [--name prefix_bf16]
 """
 
 from __future__ import annotations
@@ -254,7 +257,7 @@ def start_peer(name: str, args) -> Peer:
         vllm = serving.VllmServer(args.dtype, args.max_model_len, extra_args=VLLM_FLAGS).start()
         return Peer(vllm, vllm.base_url, vllm.MODEL_NAME, f"{vllm.base_url}/metrics", CACHE_COUNTERS["vllm"])
     enabled = name == "ours_on"
-    omni = serving.OmniServers(args.dtype, args.max_model_len, name=f"prefix_{name}",
+    omni = serving.OmniServers(args.ours_dtype, args.max_model_len, name=f"prefix_{name}",
                                settings={"enable_prefix_caching": enabled}).start()
     peer = Peer(omni, omni.base_url, "omni_chat", omni.triton.metrics_url, CACHE_COUNTERS["ours"])
     gauge = settled_counters(peer.metrics_url, ("omni_prefix_cache_enabled",))["omni_prefix_cache_enabled"]
@@ -282,24 +285,37 @@ def median_run(rounds: list[dict]) -> dict:
     return out
 
 
+# (pair, number, how to read it from a run): ours_off/ours_on is caching's TTFT speed-up; ours_on/vllm below 1 favours
+# ours for TTFT, above 1 for tok/s
+RATIOS = ((("ours_off", "ours_on"), "TTFT p50", lambda run: run["ttft_s"].get("p50")),
+          (("ours_on", "vllm"), "TTFT p50", lambda run: run["ttft_s"].get("p50")),
+          (("ours_on", "vllm"), "TTFT p99", lambda run: run["ttft_s"].get("p99")),
+          (("ours_on", "vllm"), "output tok/s", lambda run: run["output_tok_s"]))
+
+
 def ratios(workloads: dict) -> tuple[dict, dict]:
-    """TTFT p50 ratios per workload, of the medians and within each round, for pairs where neither side had an
-    error: ours_off/ours_on (the speed-up from caching) and ours_on/vllm (below 1 favours ours)."""
+    """RATIOS per workload, of the medians and within each round, for pairs where neither side had an error;
+    keys "<workload> <num>/<den> <number>"."""
+    def ratio(x, y, read):
+        a, b = read(x), read(y)
+        return a / b if a is not None and b else None
+
     out, per_round = {}, {}
     for workload, peers in workloads.items():
-        for num, den in (("ours_off", "ours_on"), ("ours_on", "vllm")):
+        for (num, den), number, read in RATIOS:
             a, b = peers.get(num), peers.get(den)
-            if not a or not b or a["errors"] or b["errors"] or not a["ttft_s"] or not b["ttft_s"]:
+            if not a or not b or a["errors"] or b["errors"] or ratio(a, b, read) is None:
                 continue
-            key = f"{workload} {num}/{den} TTFT p50"
-            out[key] = a["ttft_s"]["p50"] / b["ttft_s"]["p50"]
-            per_round[key] = [x["ttft_s"]["p50"] / y["ttft_s"]["p50"] if x["ttft_s"] and y["ttft_s"] else None
-                              for x, y in zip(a["rounds"], b["rounds"])]
+            key = f"{workload} {num}/{den} {number}"
+            out[key] = ratio(a, b, read)
+            per_round[key] = [ratio(x, y, read) for x, y in zip(a["rounds"], b["rounds"])]
     return out, per_round
 
 
-TARGETS = {"shared_system ours_off/ours_on TTFT p50": (">=", 3.0), "shared_system ours_on/vllm TTFT p50": ("<=", 1.0),
-           "multi_turn ours_on/vllm TTFT p50": ("<=", 1.0)}
+# issue 21's speed-up from caching; issue 30's "TTFT p50 and p99 both <= vLLM's, output tok/s >= 1.0x vLLM's"
+TARGETS = {"shared_system ours_off/ours_on TTFT p50": (">=", 3.0),
+           **{f"{w} ours_on/vllm {number}": (op, 1.0) for w in WORKLOADS
+              for number, op in (("TTFT p50", "<="), ("TTFT p99", "<="), ("output tok/s", ">="))}}
 
 
 def targets(found: dict, table: dict | None = None) -> dict:
@@ -336,36 +352,39 @@ COLORS = {"ours_on": "#2a7", "ours_off": "#9c9", "vllm": "#a3c"}
 
 
 def plot(results: dict, path: Path) -> None:
-    """Two panels of bars per workload and peer: TTFT p50 (s) and output tok/s, medians; dots for each round."""
+    """Three panels of bars per workload and peer: TTFT p50 and p99 (s) and output tok/s, medians; dots for each
+    round."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax_ttft, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (("TTFT p50, s (lower is better)", lambda r: r["ttft_s"].get("p50", float("nan"))),
+              ("TTFT p99, s (lower is better)", lambda r: r["ttft_s"].get("p99", float("nan"))),
+              ("output tokens / s (higher is better)", lambda r: r["output_tok_s"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.4))
     workloads = list(results["workloads"])
     names = [name for name in PEERS if any(name in peers for peers in results["workloads"].values())]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         x = [w + (i - (len(names) - 1) / 2) * width for w in range(len(workloads))]
         runs = [results["workloads"][w].get(name) for w in workloads]
-        for ax, median, each in ((ax_ttft, lambda r: r["ttft_s"].get("p50", float("nan")),
-                                  lambda r: [x["ttft_s"].get("p50", float("nan")) for x in r["rounds"]]),
-                                 (ax_tput, lambda r: r["output_tok_s"],
-                                  lambda r: [x["output_tok_s"] for x in r["rounds"]])):
-            ax.bar(x, [median(r) if r else float("nan") for r in runs], width, color=COLORS[name],
-                   label=LABELS[name])
+        for ax, (_, read) in zip(axes, panels):
+            ax.bar(x, [read(r) if r else float("nan") for r in runs], width, color=COLORS[name], label=LABELS[name])
             for xi, r in zip(x, runs):
                 if r:
-                    ax.plot([xi] * len(r["rounds"]), each(r), ".", color="black", alpha=0.6)
-    for ax, title in ((ax_ttft, "TTFT p50, s (lower is better)"), (ax_tput, "output tokens / s (higher is better)")):
+                    ax.plot([xi] * len(r["rounds"]), [read(each) for each in r["rounds"]], ".", color="black",
+                            alpha=0.6)
+    for ax, (title, _) in zip(axes, panels):
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
-    ax_ttft.legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     cpu, load = results["cpu"], results["workload"]
-    fig.suptitle(f"SmolLM2-135M chat, {results['dtype']}, {load['new_tokens']} tokens per request. shared_system: "
-                 f"~{load['system_tokens']}-token system prompt, concurrency {load['concurrency']}; multi_turn: "
-                 f"{load['concurrency']} conversations x {load['turns']} turns\nmedian of {results['rounds']} "
-                 f"rounds (dots: each round); {cpu['model']}, {cpu['cores']} cores", fontsize=9)
+    ours = results.get("ours_runtime", {}).get("dtype") or results.get("ours_dtype") or results["dtype"]
+    ours += " (auto)" if results.get("ours_dtype") == "auto" else ""
+    fig.suptitle(f"SmolLM2-135M chat, ours {ours}, vLLM {results['dtype']}, {load['new_tokens']} tokens per "
+                 f"request; {cpu['model']}, {cpu['cores']} cores\nshared_system: ~{load['system_tokens']}-token "
+                 f"system prompt, concurrency {load['concurrency']}; multi_turn: {load['concurrency']} conversations "
+                 f"x {load['turns']} turns; median of {results['rounds']} rounds (dots: each round)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -385,15 +404,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--conversation-system-tokens", type=int, default=300,
                         help="multi_turn: tokens of each conversation's system prompt")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every peer's dtype")
+    parser.add_argument("--ours-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="our engine's dtype (default: --dtype); auto: the engine's own choice, recorded")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, ours and vLLM's")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--skip", nargs="*", default=[], choices=[p for p in PEERS if p != "ours_on"])
     parser.add_argument("--results-dir", type=Path, default=serving.RESULTS,
-                        help="where prefix.json and prefix.png go (smoke runs: somewhere under /tmp)")
+                        help="where <name>.json and <name>.png go (smoke runs: somewhere under /tmp)")
+    parser.add_argument("--name", default="prefix", help="the results' file name stem (e.g. prefix_bf16)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.requests < 1 or args.concurrency < 1 or args.turns < 1:
         parser.error("--rounds, --requests, --concurrency and --turns must be at least 1")
-    if args.dtype == "bfloat16" and not serving.cpu_info()["avx512_bf16"]:
+    args.ours_dtype = args.ours_dtype or args.dtype
+    if "bfloat16" in (args.dtype, args.ours_dtype) and not serving.cpu_info()["avx512_bf16"]:
         parser.error("--dtype bfloat16 needs a CPU with avx512_bf16 (see /proc/cpuinfo)")
     return args
 
@@ -403,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     serving.stop_on_sigterm()
     cpu = serving.cpu_info()
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores, avx512_bf16: {'yes' if cpu['avx512_bf16'] else 'no'}; "
-          f"dtype {args.dtype}, max_model_len {args.max_model_len}", flush=True)
+          f"dtype {args.dtype}, ours {args.ours_dtype}, max_model_len {args.max_model_len}", flush=True)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(serving.MODEL)
     prompts = {"shared_system": system_prompt(tokenizer, args.system_tokens),
@@ -424,7 +447,8 @@ def main(argv: list[str] | None = None) -> None:
                             "system_prompt_tokens_measured": system_tokens, "ignore_eos": True, "temperature": 0.0,
                             "prompts": "salt sentence + INTRO + manual sentences (SECTIONS x TEMPLATES); "
                                        "QUESTIONS, FOLLOW_UPS"},
-               "dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": serving.MAX_NUM_SEQS,
+               "dtype": args.dtype, "ours_dtype": args.ours_dtype, "max_model_len": args.max_model_len,
+               "max_num_seqs": serving.MAX_NUM_SEQS,
                "cpu": cpu, "machine": f"{platform.machine()} {os.cpu_count()} cores", "rounds": args.rounds,
                "load_average_at_start": os.getloadavg(),
                "settings": {"ours_kv_cache_bytes": 512 << 20, "ours_on": {"enable_prefix_caching": True},
@@ -441,6 +465,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"starting {name} ...", flush=True)
             try:
                 peers[name] = start_peer(name, args)
+                if name == "ours_on":
+                    results["ours_runtime"] = peers[name].service.runtime_info()
+                    print(f"  ours runs {results['ours_runtime'].get('dtype')} "
+                          f"({results['ours_runtime'].get('dtype_reason')})", flush=True)
             except Exception as exc:
                 if name == "ours_on":  # what is measured: no point going on
                     raise
@@ -498,9 +526,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key}: {value:.2f}x (per round: {rounds})"
               + (f"  target {target['target']}: {'met' if target['met'] else 'not met'}" if target else ""))
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "prefix.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.results_dir / "prefix.png")
-    print(f"wrote {args.results_dir / 'prefix.json'} and prefix.png in {results['seconds']:.0f} s")
+    (args.results_dir / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.results_dir / f"{args.name}.png")
+    print(f"wrote {args.results_dir / args.name}.json and .png in {results['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
   the C++ kernels, and what runs where they cannot be built;
 - ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the float32 default;
 - ``kernels-int8``: the same with weight-only int8 panels (quantization "int8");
-- ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX or vdpbf16ps, bf16 KV cache; AVX512-BF16
-  CPUs only);
+- ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX, else vdpbf16ps or FMAs on the widened pairs,
+  whichever the kernel measures faster; bf16 KV cache; AVX512-BF16 CPUs only);
+- ``kernels-bfloat16-vdpbf16ps``: the same with vdpbf16ps forced where there is no AMX (what such CPUs ran before
+  the kernel chose by measuring; on an AMX CPU the same as ``kernels-bfloat16``);
 - ``onednn-bfloat16``: the torch modules in bfloat16 on oneDNN-packed weights (what bfloat16 ran before).
 
 Machine limits (`kernels/machine_limits.py`, measured before every round with the same threads, the best of the
@@ -16,8 +18,8 @@ rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks 
 then reported as fractions of their bounds: batch 1 against the bandwidth bound (the bytes of its packed
 projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache reads at these
 contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul weights FLOP per
-token / the peak of the instruction the variant multiplies with: FMA for float32 and int8, AMX where the CPU has it
-else vdpbf16ps for bfloat16). A prefill computes the LM head for its last token only, so its FLOP are 2 x the
+token / the peak of the instruction the variant multiplies with: FMA for float32 and int8; for bfloat16 AMX where
+the CPU has it, else the faster of vdpbf16ps and FMA, since either can multiply bf16 panels). A prefill computes the LM head for its last token only, so its FLOP are 2 x the
 layers' weights per token plus 2 x the head's once; its rate is also reported in GFLOP/s. Attention, norms and
 sampling count as overhead, so 100 % is out of reach.
 
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_library import CpuKernelUnavailable
+from kernels.linear_cpu import CpuLinearKernels
 from kernels.machine_limits import MachineLimits
 from omni_backend import paths
 from omni_backend.engine.cpu_dtype import LayerShape
@@ -53,8 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as serving  # noqa: E402  (its cpu_info)
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
-VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "onednn-bfloat16")
-WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1, "kernels-bfloat16": 2, "onednn-bfloat16": 2}
+VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "kernels-bfloat16-vdpbf16ps",
+            "onednn-bfloat16")
+WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1, "kernels-bfloat16": 2,
+                "kernels-bfloat16-vdpbf16ps": 2, "onednn-bfloat16": 2}
 
 
 def _without_cpu_kernels(*_args, **_kwargs):
@@ -62,9 +67,16 @@ def _without_cpu_kernels(*_args, **_kwargs):
 
 
 def build_engine(variant: str, threads: int) -> LLMEngine:
-    config = EngineConfig(model_path=str(MODEL), dtype="bfloat16" if variant.endswith("bfloat16") else "float32",
+    config = EngineConfig(model_path=str(MODEL), dtype="bfloat16" if "bfloat16" in variant else "float32",
                           max_num_seqs=32, kv_cache_bytes=512 << 20, cpu_threads=threads, enable_prefix_caching=False,
                           quantization="int8" if variant == "kernels-int8" else "none")
+    if variant == "kernels-bfloat16-vdpbf16ps":  # its own build of the linear kernels (the flags are hashed)
+        flags = CpuLinearKernels.FLAGS
+        CpuLinearKernels.FLAGS = flags + ["-DOMNI_BF16_KERNEL=1"]
+        try:
+            return LLMEngine(config)
+        finally:
+            CpuLinearKernels.FLAGS = flags
     if not variant.startswith("onednn"):
         return LLMEngine(config)
     original = CpuLlamaForward.__dict__["build"]
@@ -120,8 +132,8 @@ def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: 
     head = hf_config.vocab_size * hf_config.hidden_size
     layers = hf_config.num_hidden_layers * sum(n * k for n, k in shape.weights())
     weights = layers + head
-    if variant.endswith("bfloat16"):
-        peak = limits["peak_amx_bf16_flops"] or limits["peak_dot_bf16_flops"]
+    if "bfloat16" in variant:
+        peak = limits["peak_amx_bf16_flops"] or max(limits["peak_dot_bf16_flops"], limits["peak_fma_f32_flops"])
     else:
         peak = limits["peak_fma_f32_flops"]
     flop_per_token = 2 * weights

@@ -31,14 +31,20 @@
 // TDPBF16PS: a 16 x 16 float32 block of y += a 16-row x 32-k block of x times a 32-k x 16-column block of the
 // panel, the panel's rows read with stride NR pairs): on this project's 2-core Xeon (AMX, AVX512-BF16) vdpbf16ps
 // ran at about 40 % of the float32 FMA peak (register-only loop), AMX many times above it. Otherwise the float32
-// tiles with a k-pair per step (vdpbf16ps). Either way every row goes through the same instructions over the same
-// k blocks whatever the batch (AMX tiles always have 16 rows, x zero-padded), so results are batch-invariant on
-// a given CPU; AMX and vdpbf16ps machines may differ in the last bits.
+// tiles with a k-pair per step, in one of two ways, chosen once per process by timing cpu_peaks.h's register
+// loops (`measured_bf16_kernel`): vdpbf16ps, or where the FMA loop's FLOP rate is at least 1.5x vdpbf16ps's (the
+// Intel Xeon without AMX of docs/benchmarks.md: 2x) the pair widened to two float32 vectors (a shift and an and:
+// bf16 is the top half of a float32) and two FMAs, odd k first as vdpbf16ps's definition orders them (Intel SDM,
+// VDPBF16PS), x rounded to bf16 but held as float32. The two agree bit for bit but where vdpbf16ps flushes
+// denormals. Either way every row goes through the same instructions over the same k blocks whatever the batch
+// (AMX tiles always have 16 rows, x zero-padded), so results are batch-invariant in a process; AMX and vdpbf16ps
+// machines may differ in the last bits.
 //
 // Work is split over panels across the calling thread's OpenMP team (static schedule; the engine's CPU threads,
 // torch.set_num_threads); with one thread it runs on the caller.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +54,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_math.h"
+#include "cpu_peaks.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -71,7 +78,13 @@ struct Bf16Pair {
   uint32_t bits;
 };
 
-// The x a tile reads for a Weight: bf16 pairs for bf16 panels, else float32.
+// The same panels read as float32 pairs: each pair widened to two float32 vectors, multiplied with FMAs.
+struct Bf16Wide {
+  uint32_t bits;
+};
+
+// The x a tile reads for a Weight: bf16 pairs for vdpbf16ps, else float32 (for Bf16Wide the bf16-rounded x, two
+// floats per pair).
 template <typename Weight>
 using Input = std::conditional_t<std::is_same_v<Weight, Bf16Pair>, Bf16Pair, float>;
 
@@ -115,8 +128,8 @@ inline void write_tile(const vf (&acc)[R][2], float* y, int64_t ldy, int cols, c
 // order, so an output's value does not depend on R, P or where its row falls in the batch (batch-invariant).
 // Small R take several panels at once (P > 1) so that at least 8 independent multiply-add chains cover the FMA
 // units' latency (4 cycles, 2 units). Weight is float (float32 panels) or int8_t (widened in registers). While it
-// runs, the tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`). Bf16Pair panels take bf16
-// x and K counts pairs (see the file comment).
+// runs, the tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`). For bf16 panels K counts
+// pairs: Bf16Pair takes bf16 x (vdpbf16ps), Bf16Wide the bf16-rounded x as float32 (see the file comment).
 template <int R, int P, typename Weight>
 void tile(const Input<Weight>* x, int64_t ldx, const Weight* panel, int64_t K, float* y, int64_t ldy,
           int64_t n_left, const float* scale, const float* bias, bool accumulate, const char* ahead,
@@ -136,6 +149,20 @@ void tile(const Input<Weight>* x, int64_t ldx, const Weight* panel, int64_t K, f
           const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * ldx + k].bits)));
           acc[j][r][0] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[j][r][0]), a, w0));
           acc[j][r][1] = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[j][r][1]), a, w1));
+        }
+#endif
+      } else if constexpr (std::is_same_v<Weight, Bf16Wide>) {
+#if defined(__AVX512BF16__)
+        const __m512i p0 = _mm512_loadu_si512(w), p1 = _mm512_loadu_si512(w + VEC);
+        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+        const vf odd0 = reinterpret_cast<vf>(_mm512_and_si512(p0, high));
+        const vf odd1 = reinterpret_cast<vf>(_mm512_and_si512(p1, high));
+        const vf even0 = reinterpret_cast<vf>(_mm512_slli_epi32(p0, 16));
+        const vf even1 = reinterpret_cast<vf>(_mm512_slli_epi32(p1, 16));
+        for (int r = 0; r < R; ++r) {
+          const vf a_odd = splat(x[r * ldx + 2 * k + 1]), a_even = splat(x[r * ldx + 2 * k]);
+          acc[j][r][0] = a_even * even0 + (a_odd * odd0 + acc[j][r][0]);  // two FMAs (-ffp-contract=fast)
+          acc[j][r][1] = a_even * even1 + (a_odd * odd1 + acc[j][r][1]);
         }
 #endif
       } else {
@@ -180,6 +207,12 @@ template <typename Weight>
 constexpr const Tile<Weight>* tiles_for = tiles<Weight, 1, 2, 3, 4, 5, 6>;
 #endif
 
+// Bytes of x one call's tiles read: more rows (a prefill's) go in blocks of this much x, a multiple of MR rows, so
+// that the tiles of a panel read x from the L2 cache (1-2 MiB per core on this project's CPUs) rather than
+// stream all of a prefill's x from memory once per panel; each block streams the weights again (a few MB per
+// projection, from the last-level cache after the first).
+constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;
+
 // Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains).
 constexpr int panels_per_tile(int64_t M) { return M < 4 ? (4 + M - 1) / M : 1; }
 
@@ -198,11 +231,17 @@ constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 // 1-2 rows go through bytes about 4x faster than that, and prefetching the next unit's panels too took 13-19 % off
 // their time (measured on this project's AMD EPYC, AVX2; at 4 rows it cost 6-13 %, so it is not done there).
 // int8 with more than MR rows widens each panel once into a thread-local fp32 buffer and runs the float32 tiles.
-// For Bf16Pair panels x is bf16 pairs and K counts pairs.
+// For bf16 panels K counts pairs; x is bf16 pairs for Bf16Pair, float32 (two per pair, ldx in floats) for Bf16Wide.
 template <typename Weight>
 void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, const float* scales,
          int64_t N, const float* bias, float* y, int64_t ldy, bool accumulate) {
   if (M <= 0) return;
+  const int64_t block = std::max<int64_t>(MR, ROW_BLOCK_BYTES / (ldx * sizeof(Input<Weight>)) / MR * MR);
+  if (M > block) {  // a prefill's rows in blocks (see ROW_BLOCK_BYTES), each a call over all the panels
+    for (int64_t m = 0; m < M; m += block)
+      run(x + m * ldx, std::min(block, M - m), K, ldx, packed, scales, N, bias, y + m * ldy, ldy, accumulate);
+    return;
+  }
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t panel_bytes = K * NR * static_cast<int64_t>(sizeof(Weight));
   const char* const packed_end = reinterpret_cast<const char*>(packed) + panels * panel_bytes;
@@ -339,15 +378,37 @@ void run_amx(const Bf16Pair* x, int64_t M, int64_t K, const Bf16Pair* packed, in
 }
 #endif
 
-// Which bf16 kernel this build and process run: 2 AMX, 1 vdpbf16ps, 0 none.
+// Without AMX: 3 (widened pairs and FMAs) where the FMA loop's FLOP rate is at least 1.5x vdpbf16ps's, else 1
+// (vdpbf16ps); each loop's best of 5 runs of about 0.1-0.5 ms, interleaved, so that a moment of load on a shared
+// machine does not decide, and the margin keeps a CPU where they are close on vdpbf16ps.
+int measured_bf16_kernel() {
+#if defined(__AVX512BF16__)
+  double dot = 0.0, fma = 0.0;
+  for (int i = 0; i < 5; ++i) {
+    for (const bool is_dot : {true, false}) {
+      const auto start = std::chrono::steady_clock::now();
+      const double flop = is_dot ? omni::dot_bf16_loop(1 << 14) : omni::fma_f32_loop(1 << 14);
+      const double rate = flop / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      (is_dot ? dot : fma) = std::max(is_dot ? dot : fma, rate);
+    }
+  }
+  return fma >= 1.5 * dot ? 3 : 1;
+#else
+  return 0;
+#endif
+}
+
+// Which bf16 kernel this build and process run: 2 AMX, 1 vdpbf16ps, 3 widened pairs and FMAs, 0 none. A build with
+// -DOMNI_BF16_KERNEL=1 or 3 (the tests') runs that one without AMX instead of measuring.
 int bf16_kernel() {
 #if defined(OMNI_AMX)
   if (omni::amx_permitted()) return 2;
 #endif
-#if defined(__AVX512BF16__)
-  return 1;
+#if defined(OMNI_BF16_KERNEL) && defined(__AVX512BF16__)
+  return OMNI_BF16_KERNEL;
 #else
-  return 0;
+  static const int measured = measured_bf16_kernel();
+  return measured;
 #endif
 }
 }  // namespace
@@ -357,8 +418,8 @@ extern "C" {
 // Panel width the packed layouts use (columns per panel).
 int64_t linear_panel_width() { return NR; }
 
-// The bfloat16 kernel this build and process run: 2 AMX tiles, 1 vdpbf16ps tiles, 0 none (linear_pack_bf16 and
-// linear_bf16 then do nothing).
+// The bfloat16 kernel this build and process run: 2 AMX tiles, 1 vdpbf16ps tiles, 3 float32 tiles over widened
+// pairs, 0 none (linear_pack_bf16 and linear_bf16 then do nothing).
 int64_t linear_bf16_kernel() { return bf16_kernel(); }
 
 // k pairs a bf16 panel holds for K: ceil(K / 2) rounded up to a multiple of PAIR_BLOCK.
@@ -413,6 +474,23 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32
   if (M <= 0 || kernel == 0) return;
 #if defined(__AVX512BF16__)
   const int64_t pairs = linear_bf16_pairs(K);
+  const Bf16Pair* panels = reinterpret_cast<const Bf16Pair*>(packed);
+  if (kernel == 3) {
+    thread_local std::vector<float> widened;  // the caller's thread: x rounded to bf16, as float32, [M][2 * pairs]
+    if (static_cast<int64_t>(widened.size()) < M * 2 * pairs) widened.resize(M * 2 * pairs);
+    for (int64_t m = 0; m < M; ++m) {
+      float* dst = widened.data() + m * 2 * pairs;
+      std::memset(dst + K, 0, (2 * pairs - K) * sizeof(float));  // k from K on
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 lanes = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x + m * ldx + k));
+        _mm512_mask_storeu_ps(dst + k, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(b)), 16)));
+      }
+    }
+    return run<Bf16Wide>(widened.data(), M, pairs, 2 * pairs, reinterpret_cast<const Bf16Wide*>(panels), nullptr, N,
+                         bias, y, ldy, accumulate != 0);
+  }
   const int64_t padded_rows = kernel == 2 ? (M + 31) / 32 * 32 : M;  // AMX tiles read whole 16-row blocks
   thread_local std::vector<Bf16Pair> rounded;  // the caller's thread: x as bf16 pairs, [padded_rows][pairs]
   if (static_cast<int64_t>(rounded.size()) < padded_rows * pairs) rounded.resize(padded_rows * pairs);
@@ -426,7 +504,6 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32
       _mm256_mask_storeu_epi16(dst + k, lanes, reinterpret_cast<__m256i>(b));
     }
   }
-  const Bf16Pair* panels = reinterpret_cast<const Bf16Pair*>(packed);
 #if defined(OMNI_AMX)
   if (kernel == 2) return run_amx(rounded.data(), M, pairs, panels, N, bias, y, ldy, accumulate != 0);
 #endif

@@ -23,9 +23,10 @@ stand for.
 bfloat16 (``pack(weight, "bfloat16")``, only where ``bf16_kernel`` is not None): W rounded to nearest even, as
 ``weight.to(torch.bfloat16)``; x is rounded the same way inside each call. The panels hold pairs of consecutive k
 (``[ceil(N / NR), P, NR, 2]``, P = ceil(K / 2) rounded up to a multiple of 16, zero-padded), the operand layout of
-AVX512-BF16's ``vdpbf16ps`` and of AMX's ``tdpbf16ps``; AMX runs them where the CPU has it (see the .cpp for why
-and how). Rounding: each product of two bf16 is exact in float32, the sums round to nearest even with denormals
-flushed to zero.
+AVX512-BF16's ``vdpbf16ps`` and of AMX's ``tdpbf16ps``; AMX runs them where the CPU has it, else vdpbf16ps or,
+where that runs at under 2/3 of the FMA rate, FMAs on the pairs widened to float32 (see the .cpp for why and how).
+Rounding: each product of two bf16 is exact in float32, the sums round to nearest even (vdpbf16ps and AMX flush
+denormals to zero).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class CpuLinearKernels(CpuLibrary):
     Attributes:
         panel_width: NR, the output channels per packed panel (16 with AVX2, 32 with AVX-512, 8 portable).
         bf16_kernel: what runs the bfloat16 panels here: "amx" (AMX tiles: the CPU has AMX-BF16 and Linux granted
-            the process its tile state), "avx512_bf16" (vdpbf16ps) or None (this CPU, or build, has neither).
+            the process its tile state), "avx512_bf16" (vdpbf16ps), "avx512_fma" (each pair widened to float32,
+            FMAs: chosen without AMX where the FMA loop runs at least 1.5x vdpbf16ps's FLOP rate, measured once per
+            process) or None (this CPU, or build, has none of them).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
@@ -103,7 +106,7 @@ class CpuLinearKernels(CpuLibrary):
     def __init__(self, build_dir: str | os.PathLike):
         super().__init__(build_dir)
         self.panel_width = int(self._fn["linear_panel_width"]())
-        self.bf16_kernel = {2: "amx", 1: "avx512_bf16"}.get(int(self._fn["linear_bf16_kernel"]()))
+        self.bf16_kernel = {2: "amx", 1: "avx512_bf16", 3: "avx512_fma"}.get(int(self._fn["linear_bf16_kernel"]()))
 
     def _shape(self, weight_format: str, n: int, k: int) -> tuple[int, ...]:
         if weight_format == "bfloat16":

@@ -4,10 +4,9 @@
 // called through ctypes by kernels/machine_limits.py, which documents the contract; scripts/bench_cpu_step.py
 // reports each decode step against these (a benchmark's yardstick, not used by the engine).
 //
-// Each loop keeps enough independent accumulators in flight to cover the instruction's latency (FMA: 4-cycle
-// latency x 2 units -> 8 chains, 12 used; vdpbf16ps likewise; AMX: four 16 x 16 accumulator tiles), with the
-// operands pinned in registers by an empty asm so the compiler cannot hoist or fold the arithmetic. Every thread of
-// the calling OpenMP team runs `iters` iterations; the result is the team's FLOP per second (a multiply-add = 2).
+// The FMA and vdpbf16ps loops are cpu_peaks.h's; the AMX loop keeps four 16 x 16 accumulator tiles in flight.
+// Every thread of the calling OpenMP team runs `iters` iterations; the result is the team's FLOP per second (a
+// multiply-add = 2).
 
 #include <omp.h>
 
@@ -17,14 +16,13 @@
 #include <immintrin.h>
 #endif
 #include "cpu_amx.h"
+#include "cpu_peaks.h"
 #include "cpu_simd.h"
 
 namespace {
 
 using omni::vf;
 using omni::VEC;
-
-constexpr int CHAINS = 12;
 
 template <typename Body>
 double team_rate(double flop_per_thread, Body body) {
@@ -85,35 +83,13 @@ double read_seconds(const float* a, int64_t n, int64_t repeats, float* sink) {
 
 // float32 fused multiply-adds on VEC-lane vectors.
 double peak_fma_f32(int64_t iters) {
-  return team_rate(2.0 * VEC * CHAINS * iters, [iters] {
-    vf acc[CHAINS];
-    for (int i = 0; i < CHAINS; ++i) acc[i] = omni::splat(0.001f * i);
-    vf a = omni::splat(1.0000001f), b = omni::splat(0.9999999f);
-    for (int64_t it = 0; it < iters; ++it) {
-      for (int i = 0; i < CHAINS; ++i) acc[i] = a * b + acc[i];
-      __asm__ volatile("" : "+x"(a), "+x"(b));
-    }
-    float sink = 0.0f;
-    for (int i = 0; i < CHAINS; ++i) sink += omni::hsum(acc[i]);
-    __asm__ volatile("" : : "x"(sink));
-  });
+  return team_rate(2.0 * VEC * omni::CHAINS * iters, [iters] { omni::fma_f32_loop(iters); });
 }
 
 // AVX512-BF16 vdpbf16ps (16 lanes x 2 multiply-adds); 0 where the build has no AVX512-BF16.
 double peak_dot_bf16(int64_t iters) {
 #if defined(__AVX512BF16__)
-  return team_rate(4.0 * 16 * CHAINS * iters, [iters] {
-    __m512 acc[CHAINS];
-    for (int i = 0; i < CHAINS; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
-    __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80)), b = a;  // bf16 1.0
-    for (int64_t it = 0; it < iters; ++it) {
-      for (int i = 0; i < CHAINS; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-      __asm__ volatile("" : "+v"(a), "+v"(b));
-    }
-    float sink = 0.0f;
-    for (int i = 0; i < CHAINS; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-    __asm__ volatile("" : : "x"(sink));
-  });
+  return team_rate(4.0 * 16 * omni::CHAINS * iters, [iters] { omni::dot_bf16_loop(iters); });
 #else
   (void)iters;
   return 0.0;

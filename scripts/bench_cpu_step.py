@@ -7,23 +7,29 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
   the C++ kernels, and what runs where they cannot be built;
 - ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the float32 default;
 - ``kernels-int8``: the same with weight-only int8 panels (quantization "int8");
-- ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX or vdpbf16ps, bf16 KV cache; AVX512-BF16
-  CPUs only);
+- ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX, else vdpbf16ps or FMAs on the widened pairs,
+  whichever the kernel measures faster; bf16 KV cache; AVX512-BF16 CPUs only);
+- ``kernels-bfloat16-vdpbf16ps``: the same with vdpbf16ps forced where there is no AMX (what such CPUs ran before
+  the kernel chose by measuring; on an AMX CPU the same as ``kernels-bfloat16``);
 - ``onednn-bfloat16``: the torch modules in bfloat16 on oneDNN-packed weights (what bfloat16 ran before).
 
 Machine limits (`kernels/machine_limits.py`, measured before every round with the same threads, the best of the
-rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps and AMX. Each variant's steps are
-then reported as fractions of their bounds: batch 1 against the bandwidth bound (the bytes of its packed
-projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache reads at these
-contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul weights FLOP per
-token / the peak of the instruction the variant multiplies with: FMA for float32 and int8, AMX where the CPU has it
-else vdpbf16ps for bfloat16). A prefill computes the LM head for its last token only, so its FLOP are 2 x the
-layers' weights per token plus 2 x the head's once; its rate is also reported in GFLOP/s. Attention, norms and
+rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps and
+AMX. Each variant's steps are then reported as fractions of their bounds: batch 1 against the bandwidth bound (the
+bytes of its packed projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache
+reads at these contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul
+weights FLOP per token / the peak of the instruction the variant multiplies with: FMA for float32 and int8; for
+bfloat16 AMX where the CPU has it, else the faster of vdpbf16ps and FMA, since either can multiply bf16 panels). A
+prefill computes the LM head for its last token only, so its FLOP are 2 x the layers' weights per token plus 2 x
+the head's once; its rate is also reported in GFLOP/s. Attention, norms and
 sampling count as overhead, so 100 % is out of reach.
 
 Each round builds each variant's engine (1 torch thread unless --threads), fills it with `batch` prompts of
 --prompt-tokens tokens, and times --steps decode steps (the median step is reported) and one prefill of
---prefill-tokens tokens. Prints per-variant medians over rounds and the ratios to ``onednn``; names the CPU.
+--prefill-tokens tokens, each by the clock and by the calling thread's CPU time (``time.thread_time``): with one
+thread the step runs on the caller, so on a machine that other processes share the CPU time leaves out the time
+slices they took (not what their use of the caches and memory bus cost); fractions are reported for both.
+Prints per-variant medians over rounds and the ratios to ``onednn``; names the CPU.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py            # about 7 minutes on 2 cores
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_step.py --rounds 1 --steps 3 --results-dir /tmp/x
@@ -41,6 +47,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_library import CpuKernelUnavailable
+from kernels.linear_cpu import CpuLinearKernels
 from kernels.machine_limits import MachineLimits
 from omni_backend import paths
 from omni_backend.engine.cpu_dtype import LayerShape
@@ -53,8 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as serving  # noqa: E402  (its cpu_info)
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
-VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "onednn-bfloat16")
-WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1, "kernels-bfloat16": 2, "onednn-bfloat16": 2}
+VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "kernels-bfloat16-vdpbf16ps",
+            "onednn-bfloat16")
+WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1, "kernels-bfloat16": 2,
+                "kernels-bfloat16-vdpbf16ps": 2, "onednn-bfloat16": 2}
 
 
 def _without_cpu_kernels(*_args, **_kwargs):
@@ -62,9 +71,16 @@ def _without_cpu_kernels(*_args, **_kwargs):
 
 
 def build_engine(variant: str, threads: int) -> LLMEngine:
-    config = EngineConfig(model_path=str(MODEL), dtype="bfloat16" if variant.endswith("bfloat16") else "float32",
+    config = EngineConfig(model_path=str(MODEL), dtype="bfloat16" if "bfloat16" in variant else "float32",
                           max_num_seqs=32, kv_cache_bytes=512 << 20, cpu_threads=threads, enable_prefix_caching=False,
                           quantization="int8" if variant == "kernels-int8" else "none")
+    if variant == "kernels-bfloat16-vdpbf16ps":  # its own build of the linear kernels (the flags are hashed)
+        flags = CpuLinearKernels.FLAGS
+        CpuLinearKernels.FLAGS = flags + ["-DOMNI_BF16_KERNEL=1"]
+        try:
+            return LLMEngine(config)
+        finally:
+            CpuLinearKernels.FLAGS = flags
     if not variant.startswith("onednn"):
         return LLMEngine(config)
     original = CpuLlamaForward.__dict__["build"]
@@ -76,7 +92,8 @@ def build_engine(variant: str, threads: int) -> LLMEngine:
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int, seed: int) -> float:
-    """Median ms of `steps` decode steps with `batch` sequences of about prompt_tokens tokens of context."""
+    """Median ms of `steps` decode steps with `batch` sequences of about prompt_tokens tokens of context: by the
+    clock and by the calling thread's CPU time (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.runner.hf_config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -85,24 +102,26 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
+        cpu_times.append((time.thread_time() - cpu_start) * 1e3)
     for i in range(batch):
         engine.abort(f"d{seed}-{i}")
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpu_times)
 
 
-def prefill_tok_s(engine: LLMEngine, tokens: int, seed: int) -> float:
+def prefill_tok_s(engine: LLMEngine, tokens: int, seed: int) -> tuple[float, float]:
+    """Tokens per second of one `tokens`-token prefill: by the clock and by the calling thread's CPU time."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.runner.hf_config.vocab_size, (tokens,), generator=gen).tolist()
     engine.add_request(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     while engine.has_unfinished():
         engine.step()
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), tokens / (time.thread_time() - cpu_start)
 
 
 def machine_limits(threads: int) -> dict:
@@ -113,15 +132,16 @@ def machine_limits(threads: int) -> dict:
             **{f"peak_{name}_flops": limits.peak_flops(name) for name in ("fma_f32", "dot_bf16", "amx_bf16")}}
 
 
-def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int) -> dict:
+def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int, cpu: bool = False) -> dict:
     """The row's decode steps and prefill (of `prefill_tokens` tokens) as fractions of their bounds, and the prefill's
-    GFLOP/s (see the module docstring)."""
+    GFLOP/s (see the module docstring); `cpu`: from the times in thread CPU time."""
+    row = {k.replace("_cpu", ""): v for k, v in row.items() if ("_cpu" in k) == cpu}
     shape = LayerShape.of(hf_config)
     head = hf_config.vocab_size * hf_config.hidden_size
     layers = hf_config.num_hidden_layers * sum(n * k for n, k in shape.weights())
     weights = layers + head
-    if variant.endswith("bfloat16"):
-        peak = limits["peak_amx_bf16_flops"] or limits["peak_dot_bf16_flops"]
+    if "bfloat16" in variant:
+        peak = limits["peak_amx_bf16_flops"] or max(limits["peak_dot_bf16_flops"], limits["peak_fma_f32_flops"])
     else:
         peak = limits["peak_fma_f32_flops"]
     flop_per_token = 2 * weights
@@ -163,9 +183,11 @@ def main() -> None:
         results = {}
         for variant in order:
             engine = build_engine(variant, args.threads)
-            row = {f"decode_ms_b{b}": decode_step_ms(engine, b, args.prompt_tokens, args.steps, 100 * r + b)
-                   for b in args.batches}
-            row["prefill_tok_s"] = prefill_tok_s(engine, args.prefill_tokens, r)
+            row = {}
+            for b in args.batches:
+                row[f"decode_ms_b{b}"], row[f"decode_cpu_ms_b{b}"] = decode_step_ms(
+                    engine, b, args.prompt_tokens, args.steps, 100 * r + b)
+            row["prefill_tok_s"], row["prefill_cpu_tok_s"] = prefill_tok_s(engine, args.prefill_tokens, r)
             row["matmuls"] = engine.runner.matmuls
             hf_config = engine.runner.hf_config
             results[variant] = row
@@ -173,7 +195,8 @@ def main() -> None:
                 f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float)), flush=True)
             del engine
         rounds.append(results)
-    keys = [f"decode_ms_b{b}" for b in args.batches] + ["prefill_tok_s"]
+    keys = [f"decode{cpu}_ms_b{b}" for cpu in ("", "_cpu") for b in args.batches] + \
+        ["prefill_tok_s", "prefill_cpu_tok_s"]
     medians = {v: {k: statistics.median(rd[v][k] for rd in rounds) for k in keys} for v in args.variants}
     print("\nmedians over rounds:")
     for variant, row in medians.items():
@@ -186,15 +209,19 @@ def main() -> None:
     limits = {k: max(rd[k] for rd in measured_limits) for k in measured_limits[0]}  # the best each round saw
     bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens)
               for variant, row in medians.items()}
-    print("\nfractions of the bounds (batch 1: bandwidth; batch 32 and prefill: compute):")
-    for variant, row in bounds.items():
-        print(f"{variant:16s} " + " ".join(f"{k} {v:.0%}" for k, v in row.items() if k.endswith("bound"))
-              + f" prefill {row['prefill_gflop_s']:.1f} GFLOP/s")
+    cpu_bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens, cpu=True)
+                  for variant, row in medians.items()}
+    for name, table in (("the clock", bounds), ("thread CPU time", cpu_bounds)):
+        print(f"\nfractions of the bounds by {name} (batch 1: bandwidth; batch 32 and prefill: compute):")
+        for variant, row in table.items():
+            print(f"{variant:16s} " + " ".join(f"{k} {v:.0%}" for k, v in row.items() if k.endswith("bound"))
+                  + f" prefill {row['prefill_gflop_s']:.1f} GFLOP/s")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / args.output
     out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "note": args.note,
                                "limits": limits, "limits_by_round": measured_limits, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
-                               "medians": medians, "bounds": bounds, "rounds": rounds, "argv": sys.argv[1:]},
+                               "medians": medians, "bounds": bounds, "bounds_cpu_time": cpu_bounds, "rounds": rounds,
+                               "argv": sys.argv[1:]},
                               indent=2) + "\n")
     print(f"wrote {out}")
 

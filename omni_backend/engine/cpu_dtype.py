@@ -7,7 +7,7 @@ start on a CPU times the candidates and keeps the fastest.
 
 What is timed: one decoder layer's four projections (fused qkv, o, fused gate/up, down; the model's sizes, random
 weights), the matmuls that make up most of a decode step, at batch 1 and at the engine's max_num_seqs, for each
-path this machine has (`PATHS`): the C++ float32 panels, the C++ bfloat16 panels (AMX or vdpbf16ps;
+path this machine has (`PATHS`): the C++ float32 panels, the C++ bfloat16 panels (AMX, vdpbf16ps or FMA;
 kernels/linear_cpu.py) and oneDNN's packed bfloat16 weights (engine/cpu_linear.py). A path's score is the
 geometric mean of its two times, so both ends of the served batch range count equally; the lowest wins. A few
 dozen calls in all: well under a second for SmolLM2-135M on one core.

@@ -109,6 +109,24 @@ def test_each_row_is_the_same_whatever_the_batch(kernels, fmt):
         assert torch.equal(kernels.linear(x[:m], packed), alone[:m]), f"batch of {m}"
 
 
+def _rows_in_blocks_equal_rows_alone(kernels, fmt: str) -> None:
+    """A prefill-size batch (its rows in several blocks, linear_cpu.cpp's ROW_BLOCK_BYTES: 1 MiB of x per block,
+    about 170 rows at this K) gives each row bit for bit what it gives alone, and what the float64 product bounds."""
+    gen = torch.Generator().manual_seed(13)
+    n, k = 2 * kernels.panel_width + 5, 1537
+    w, x = torch.randn(n, k, generator=gen), torch.randn(400, k, generator=gen)
+    packed = kernels.pack(w, fmt)
+    got = kernels.linear(x, packed)
+    assert torch.equal(got, torch.cat([kernels.linear(x[i : i + 1], packed) for i in range(len(x))]))
+    if fmt == "float32":
+        _assert_within(got, x.double() @ w.double().T, _bound(x, w))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_rows_in_blocks_equal_rows_alone(kernels, fmt):
+    _rows_in_blocks_equal_rows_alone(kernels, fmt)
+
+
 def test_contract_violations_raise(kernels):
     w = torch.randn(8, 4)
     packed = kernels.pack(w, "float32")
@@ -152,28 +170,32 @@ def test_build_failures_say_why(tmp_path, monkeypatch):
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # round to nearest even with 8 significant bits
 
 
-@pytest.fixture(scope="module", params=["native", "vdpbf16ps"])
+BF16_BUILDS = {"vdpbf16ps": "1", "fma": "3"}  # the kernels of a CPU without AMX, each forced (OMNI_BF16_KERNEL)
+
+
+@pytest.fixture(scope="module", params=["native", *BF16_BUILDS])
 def bf16_kernels(request, tmp_path_factory):
-    """The bfloat16 kernels as the engine builds them (AMX tiles where the CPU has AMX) and built without AMX
-    (vdpbf16ps tiles, what AVX512-BF16 CPUs without AMX run); skipped where the CPU has neither."""
+    """The bfloat16 kernels as the engine builds them (AMX tiles where the CPU has AMX, else the measured choice of
+    the two below) and built without AMX with each of an AVX512-BF16 CPU's two kernels forced (vdpbf16ps tiles, and
+    float32 tiles over the pairs widened); skipped where the CPU has no AVX512-BF16."""
     if request.param == "native":
         built = CpuLinearKernels(tmp_path_factory.mktemp("linear"))
     else:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + ["-mno-amx-tile"])
-            built = CpuLinearKernels(tmp_path_factory.mktemp("linear_no_amx"))
+            patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + [
+                "-mno-amx-tile", f"-DOMNI_BF16_KERNEL={BF16_BUILDS[request.param]}"])
+            built = CpuLinearKernels(tmp_path_factory.mktemp(f"linear_{request.param}"))
     if built.bf16_kernel is None:
         pytest.skip("this CPU has no AVX512-BF16")
-    if request.param == "native" and built.bf16_kernel != "amx":
-        pytest.skip("no AMX here: the vdpbf16ps build is the native one")
     built.build = request.param
     return built
 
 
 def test_bf16_kernel_is_the_cpus(bf16_kernels):
     flags = set(cpu_features().split())
-    want = "amx" if "amx_bf16" in flags and bf16_kernels.build == "native" else "avx512_bf16"
-    assert bf16_kernels.bf16_kernel == want
+    want = {"vdpbf16ps": {"avx512_bf16"}, "fma": {"avx512_fma"},
+            "native": {"amx"} if "amx_bf16" in flags else {"avx512_bf16", "avx512_fma"}}[bf16_kernels.build]
+    assert bf16_kernels.bf16_kernel in want
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 12, 13, 16, 17, 31, 32, 33, 64, 65, 100])
@@ -201,7 +223,7 @@ def test_bf16_panels_match_float64(bf16_kernels, m, n, k):
 
 def test_bf16_each_row_is_the_same_whatever_the_batch(bf16_kernels):
     """Batch invariance of the bf16 panels: a row's outputs are bit for bit the same alone and at every position of
-    batches of 2 to 70 rows (one and two 16-row AMX tiles, several 32-row blocks, every vdpbf16ps tile)."""
+    batches of 2 to 70 rows (one and two 16-row AMX tiles, several 32-row blocks, every vdpbf16ps or FMA tile)."""
     gen = torch.Generator().manual_seed(12)
     n, k = 5 * bf16_kernels.panel_width + 3, 100
     packed = bf16_kernels.pack(torch.randn(n, k, generator=gen), "bfloat16")
@@ -209,6 +231,10 @@ def test_bf16_each_row_is_the_same_whatever_the_batch(bf16_kernels):
     alone = torch.cat([bf16_kernels.linear(x[i : i + 1], packed) for i in range(len(x))])
     for m in range(2, len(x) + 1):
         assert torch.equal(bf16_kernels.linear(x[:m], packed), alone[:m]), f"batch of {m}"
+
+
+def test_bf16_rows_in_blocks_equal_rows_alone(bf16_kernels):
+    _rows_in_blocks_equal_rows_alone(bf16_kernels, "bfloat16")
 
 
 def test_bf16_bias_accumulate_and_strided_rows(bf16_kernels):

@@ -104,3 +104,25 @@ def test_prefill_reference_rejects_more_new_tokens_than_context():
     bad_ctx = torch.tensor([3, 2], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="new tokens"):
         paged_prefill_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, bad_ctx, 1.0)
+
+
+def test_prefill_reference_float32_query_over_bf16_cache():
+    """The C++ CPU step's prefill: float32 queries over a bfloat16 cache run in float32 on the widened K/V, the
+    same as over float32 caches holding those values, and within float32's tolerance of float64; the Triton kernel
+    keeps one dtype."""
+    pairs = [(13, 13), (7, 40), (1, 37)]
+    q_lens, ctx_lens = [p[0] for p in pairs], [p[1] for p in pairs]
+    kv, query, starts, context_lens = _setup(q_lens, ctx_lens, 16, 3, 64, torch.bfloat16)
+    query = query.float() + 1e-3 * torch.randn(query.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    scale = default_scale(64)
+    got = paged_prefill_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, context_lens,
+                                            scale)
+    assert got.dtype == torch.float32
+    want = paged_prefill_attention_reference(query, kv.k_cache.float(), kv.v_cache.float(), kv.block_tables, starts,
+                                             context_lens, scale)
+    assert torch.equal(got, want)
+    kv.k_cache, kv.v_cache = kv.k_cache.float(), kv.v_cache.float()  # the float64 reference reads the same values
+    assert_close(got, _naive(kv, query, q_lens, ctx_lens, scale), ATOL[torch.float32], "reference vs float64")
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill_attention(query, kv.k_cache.bfloat16(), kv.v_cache.bfloat16(), kv.block_tables, starts,
+                                context_lens, scale)

@@ -162,7 +162,8 @@ class CpuLlamaForward:
                 meta: AttentionMetadata) -> torch.Tensor:
         """The attention of the float32 queries q [T, Hq, D] -> [T, Hq, D] float32. Over bfloat16 caches the
         decode rows go to the C++ kernel with float32 queries, as the one-call decode step does (same results),
-        the prefill rows to the backend's prefill in bfloat16."""
+        the prefill rows to the backend's prefill (the torch reference) with float32 queries too: it widens the
+        gathered K/V and runs in float32, 1.6x faster than in bfloat16 on a CPU without AMX."""
         if k_cache.dtype == q.dtype:
             return self.attention.attend(q, k_cache, v_cache, meta)
         if self.attention.cpu_decode_kernel is None:  # a backend that takes queries of the caches' dtype only
@@ -170,7 +171,7 @@ class CpuLlamaForward:
         split = meta.num_prefill_tokens
         out = torch.empty_like(q)
         if split:
-            out[:split] = self.attention.prefill(q[:split].to(k_cache.dtype), k_cache, v_cache, meta)
+            out[:split] = self.attention.prefill(q[:split], k_cache, v_cache, meta)
         if split < q.shape[0]:
             out[split:] = self.attention.decode(q[split:], k_cache, v_cache, meta)
         return out

@@ -13,7 +13,9 @@ geometric mean of its two times, so both ends of the served batch range count eq
 dozen calls in all: well under a second for SmolLM2-135M on one core.
 
 The choice is cached in ``<cache>/cpu_dtype.json`` under a key of the CPU model name, its feature flags, the torch
-version, the layer sizes, the batch and the thread count, so later starts read it; `choose` logs it either way.
+version, the C++ kernels' build (their library's file name, whose hash covers the sources, compiler and flags: a
+kernel change is measured again), the layer sizes, the batch and the thread count, so later starts read it; `choose`
+logs it either way.
 An explicit dtype never comes here (`ModelRunner`).
 """
 
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CpuKernelUnavailable, cpu_features
+from kernels.cpu_library import CpuKernelUnavailable, build_library, cpu_features
 from kernels.linear_cpu import CpuLinearKernels
 from omni_backend import checkpoints
 from omni_backend.engine import cpu_linear
@@ -151,8 +153,18 @@ def measure(shape: LayerShape, batches: tuple[int, ...], build_dir: Path) -> dic
     return seconds
 
 
-def cache_key(shape: LayerShape, batches: tuple[int, ...]) -> str:
-    """What a cached choice depends on: the CPU (model name and flags), torch, the layer, the batches, threads."""
+def kernels_build(build_dir: Path) -> str:
+    """The C++ linear kernels' library file name in `build_dir` (built if missing; its hash covers the sources,
+    headers, compiler, flags and CPU), or "unavailable" where they cannot be built."""
+    try:
+        return build_library(CpuLinearKernels.SOURCE, build_dir, CpuLinearKernels.FLAGS).name
+    except CpuKernelUnavailable:
+        return "unavailable"
+
+
+def cache_key(shape: LayerShape, batches: tuple[int, ...], kernels: str) -> str:
+    """What a cached choice depends on: the CPU (model name and flags), torch, the C++ kernels' build (`kernels`,
+    from `kernels_build`), the layer, the batches, threads."""
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -160,7 +172,7 @@ def cache_key(shape: LayerShape, batches: tuple[int, ...]) -> str:
     except OSError:
         pass
     flags = " ".join(sorted(cpu_features().split(":", 1)[-1].split()))
-    return json.dumps([model, flags, torch.__version__, asdict(shape), list(batches), torch.get_num_threads()])
+    return json.dumps([model, flags, torch.__version__, kernels, asdict(shape), list(batches), torch.get_num_threads()])
 
 
 def choose(shape: LayerShape, max_batch: int, build_dir: Path, cache_dir: Path) -> CpuDtypeChoice:
@@ -169,7 +181,7 @@ def choose(shape: LayerShape, max_batch: int, build_dir: Path, cache_dir: Path) 
     A cache file that cannot be read or written is ignored (measured again, a WARNING); the choice still holds.
     """
     batches = tuple(sorted({1, max_batch}))
-    key = cache_key(shape, batches)
+    key = cache_key(shape, batches, kernels_build(build_dir))
     path = cache_dir / CACHE_FILE
     try:
         entries = json.loads(path.read_text()) if path.exists() else {}

@@ -51,7 +51,7 @@ def test_choose_measures_every_path_once_then_reads_the_cache(tmp_path, monkeypa
     assert f"dtype auto: measured fastest {first.path} (" in caplog.text
     stored = json.loads((tmp_path / cpu_dtype.CACHE_FILE).read_text())
     [(key, entry)] = stored.items()
-    assert torch.__version__ in key and entry["path"] == first.path
+    assert torch.__version__ in key and cpu_dtype.kernels_build(KERNELS) in key and entry["path"] == first.path
 
     def no_measuring(*args):
         raise AssertionError("measured again")
@@ -60,6 +60,12 @@ def test_choose_measures_every_path_once_then_reads_the_cache(tmp_path, monkeypa
     second = cpu_dtype.choose(SHAPE, 8, KERNELS, tmp_path)
     assert second.cached and second.path == first.path and second.seconds == first.seconds
     assert second.reason.startswith("auto: measured (cached) fastest")
+    monkeypatch.setattr(cpu_dtype, "kernels_build", lambda build_dir: "linear_cpu-another.so")  # changed kernels
+    with pytest.raises(AssertionError, match="measured again"):
+        cpu_dtype.choose(SHAPE, 8, KERNELS, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_dtype, "measure", no_measuring)
+    assert cpu_dtype.choose(SHAPE, 8, KERNELS, tmp_path).cached  # the same kernels again: read from the cache
     monkeypatch.setattr(torch, "__version__", "0.0.0-another")  # another torch: measured again
     with pytest.raises(AssertionError, match="measured again"):
         cpu_dtype.choose(SHAPE, 8, KERNELS, tmp_path)

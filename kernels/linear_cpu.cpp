@@ -43,22 +43,20 @@
 #include "cpu_amx.h"
 #include "cpu_math.h"
 #include "cpu_simd.h"
+#include "cpu_tiles.h"
 
 namespace {
 
 using omni::load_vec;
 using omni::splat;
-using omni::store_vec;
 using omni::vf;
 using omni::bf16_bits;
 using omni::VEC;
 
-#if defined(__AVX512F__)
-constexpr int MR = 12;
-#else
-constexpr int MR = 6;
-#endif
-constexpr int NR = 2 * VEC;
+using omni::MR;
+using omni::NR;
+using omni::panels_per_tile;
+using omni::write_tile;
 
 // Two bfloat16 of consecutive k (the lower k in the low half): one element of a bf16 panel or of bf16 x.
 struct Bf16Pair {
@@ -69,35 +67,6 @@ struct Bf16Pair {
 template <typename Weight>
 using Input = std::conditional_t<std::is_same_v<Weight, Bf16Pair>, Bf16Pair, float>;
 
-
-// Write an R x NR tile (columns [0, cols)) of accumulators to y: y = acc + bias (+ y).
-template <int R>
-inline void write_tile(const vf (&acc)[R][2], float* y, int64_t ldy, int cols, const float* bias, bool accumulate) {
-  vf b0 = vf{}, b1 = vf{};
-  float tmp[NR];
-  if (bias) {
-    std::memset(tmp, 0, sizeof tmp);
-    std::memcpy(tmp, bias, cols * sizeof(float));
-    b0 = load_vec(tmp);
-    b1 = load_vec(tmp + VEC);
-  }
-  for (int r = 0; r < R; ++r) {
-    vf v0 = acc[r][0] + b0, v1 = acc[r][1] + b1;
-    float* row = y + r * ldy;
-    if (cols == NR) {
-      if (accumulate) {
-        v0 += load_vec(row);
-        v1 += load_vec(row + VEC);
-      }
-      store_vec(row, v0);
-      store_vec(row + VEC, v1);
-    } else {
-      store_vec(tmp, v0);
-      store_vec(tmp + VEC, v1);
-      for (int c = 0; c < cols; ++c) row[c] = accumulate ? row[c] + tmp[c] : tmp[c];
-    }
-  }
-}
 
 // The R x (P * NR) tile of x @ [P consecutive panels] over k in [0, K): one accumulator per output, summed in k
 // order, so an output's value does not depend on R, P or where its row falls in the batch (batch-invariant).
@@ -156,22 +125,20 @@ template <typename Weight>
 constexpr const Tile<Weight>* tiles_for = tiles<Weight, 1, 2, 3, 4, 5, 6>;
 #endif
 
-// Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains).
-constexpr int panels_per_tile(int64_t M) { return M < 4 ? (4 + M - 1) / M : 1; }
-
 // wide_tiles<Weight>[M]: the tile of M rows over panels_per_tile(M) panels, M in [1, 3].
 template <typename Weight, int... R>
 constexpr Tile<Weight> wide_tiles_of[] = {nullptr, tile<R, panels_per_tile(R), Weight>...};
 template <typename Weight>
 constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 
-// The driver of linear_f32 / linear_bf16's vdpbf16ps tiles. Work units, split statically over the threads: with M < 4 rows, groups
-// of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one tile; otherwise one
-// panel each, its rows in tiles of MR. The weights stream from memory once per call (a decode step's x rows stay
-// in L1/L2). With several tiles per panel the first tile would wait for memory while the others run from L2, so
-// the tiles prefetch the next panel into L2, each its share, and the stream overlaps the arithmetic. With one
-// tile the panels are read in address order and the hardware prefetchers keep up with float32 (int8 codes go
-// through bytes faster: linear_int8.cpp prefetches for 1-2 rows too). For Bf16Pair panels x is bf16 pairs and K counts pairs.
+// The driver of linear_f32 and of linear_bf16's vdpbf16ps tiles. Work units, split statically over the threads:
+// with M < 4 rows, groups of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one
+// tile; otherwise one panel each, its rows in tiles of MR. The weights stream from memory once per call (a decode
+// step's x rows stay in L1/L2). With several tiles per panel the first tile would wait for memory while the others
+// run from L2, so the tiles prefetch the next panel into L2, each its share, and the stream overlaps the
+// arithmetic. With one tile the panels are read in address order and the hardware prefetchers keep up with float32
+// (int8 codes go through bytes faster: linear_int8.cpp prefetches for 1-2 rows too). For Bf16Pair panels x is bf16
+// pairs and K counts pairs.
 template <typename Weight>
 void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, int64_t N, const float* bias, float* y, int64_t ldy, bool accumulate) {
   if (M <= 0) return;

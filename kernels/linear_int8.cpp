@@ -28,24 +28,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "cpu_simd.h"
+#include "cpu_tiles.h"
 
 namespace {
 
 using omni::load_vec;
 using omni::splat;
-using omni::store_vec;
 using omni::vf;
 using omni::VEC;
 
-#if defined(__AVX512F__)
-constexpr int MR = 12;
-#else
-constexpr int MR = 6;
-#endif
-constexpr int NR = 2 * VEC;
+using omni::MR;
+using omni::NR;
+using omni::panels_per_tile;
+using omni::write_tile;
 constexpr int64_t GROUP = 32;
 
 // The float32 weights VEC codes stand for: q * s + m, one rounding where the CPU fuses multiply-adds (the same
@@ -87,34 +84,12 @@ void tile(const float* x, int64_t ldx, const uint8_t* panel, const float* params
   }
   for (int j = 0; j < P; ++j) {
     const int cols = static_cast<int>(std::min<int64_t>(NR, n_left - j * NR));
-    float tmp[NR];
-    vf b0 = vf{}, b1 = vf{};
-    if (bias) {
-      std::memset(tmp, 0, sizeof tmp);
-      std::memcpy(tmp, bias + j * NR, cols * sizeof(float));
-      b0 = load_vec(tmp);
-      b1 = load_vec(tmp + VEC);
-    }
-    for (int r = 0; r < R; ++r) {
-      const vf v0 = acc[j][r][0] + b0, v1 = acc[j][r][1] + b1;
-      float* row = y + r * ldy + j * NR;
-      if (cols == NR) {
-        store_vec(row, accumulate ? v0 + load_vec(row) : v0);
-        store_vec(row + VEC, accumulate ? v1 + load_vec(row + VEC) : v1);
-      } else {
-        store_vec(tmp, v0);
-        store_vec(tmp + VEC, v1);
-        for (int c = 0; c < cols; ++c) row[c] = accumulate ? row[c] + tmp[c] : tmp[c];
-      }
-    }
+    write_tile<R>(acc[j], y + j * NR, ldy, cols, bias ? bias + j * NR : nullptr, accumulate);
   }
 }
 
 using Tile = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, int64_t, float*, int64_t,
                       int64_t, const float*, bool, const char*, int64_t);
-
-// Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains).
-constexpr int panels_per_tile(int64_t M) { return M < 4 ? (4 + M - 1) / M : 1; }
 
 template <int... R>
 constexpr Tile one_panel[] = {nullptr, tile<R, 1>...};

@@ -1,4 +1,5 @@
-"""Accuracy of the weight-only int8 mode (quantization "int8", kernels/linear_int8.cpp) against float32, on SmolLM2-135M.
+"""Accuracy of the weight-only int8 mode (quantization "int8", kernels/linear_int8.cpp) against float32, on
+SmolLM2-135M.
 
 Measured over 50 chat prompts (the model's chat template over the questions below), greedy:
 - agreement: the int8 engine's and the float32 engine's completions (--new-tokens each, EOS ends one), the share of
@@ -10,14 +11,14 @@ Measured over 50 chat prompts (the model's chat template over the questions belo
 - with --groups, instead: what other int8 grids give, simulated. transformers' float32 model with its projections
   and head quantized and dequantized in torch (`fake_quantize`: one grid per `group` consecutive inputs of an
   output row, as llama.cpp's Q8_0 / Q4_1 (32) and AWQ (128) group, 0 per channel; --schemes: symmetric,
-  asymmetric, or "two-grid", the engine's, whose distance from the engine's weights is recorded) generates greedily (all prompts in one left-padded
-  batch, ended at <|im_end|>), against the same model unquantized, padded alike: identical completions and mean
-  shared leading tokens per scheme and group size. A group must divide every projection's input width (SmolLM2-135M: 576
-  and 1536, so 32 or 64, not 128).
+  asymmetric, or "two-grid", the engine's, whose distance from the engine's weights is recorded) generates
+  greedily (all prompts in one left-padded batch, ended at <|im_end|>), against the same model unquantized, padded
+  alike: identical completions and mean shared leading tokens per scheme and group size. A group must divide every
+  projection's input width (SmolLM2-135M: 576 and 1536, so 32 or 64, not 128).
 Writes benchmarks/results/int8_accuracy.json (with --groups: int8_groups.json); names the CPU.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py        # about 3 minutes on 2 cores
-    PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py --groups 0 32 --schemes symmetric asymmetric two-grid
+    PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py --groups 32 --schemes symmetric asymmetric two-grid
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def dequantized_model(engine: LLMEngine):
 def fake_quantize(weight: torch.Tensor, group: int, scheme: str = "symmetric") -> torch.Tensor:
     """float32 [N, K] -> the float32 [N, K] that int8 with one grid per `group` consecutive inputs of each row
     gives back. "symmetric": s = max |W| over the group / 127, q = W / s rounded half to even, in [-127, 127],
-    back as q * s (group 0: one scale per row, the engine's int8 before groups, bit for bit). "asymmetric": uint8 q with a scale
-    and a minimum per group (m = min W, s = (max W - m) / 255, q = (W - m) / s rounded, in [0, 255]), back as
-    q * s + m; a Q4_1 block (w = d * q4 + m, q4 in 0..15, both ends used) comes back as q = 17 * q4. "two-grid":
+    back as q * s (group 0: one scale per row, the engine's int8 before groups, bit for bit). "asymmetric": uint8
+    q with a scale and a minimum per group (m = min W, s = (max W - m) / 255, q = (W - m) / s rounded, in
+    [0, 255]), back as q * s + m; a Q4_1 block (w = d * q4 + m, q4 in 0..15, both ends used) comes back as q = 17 * q4. "two-grid":
     what kernels/linear_int8.cpp packs, per group the closer (largest error; asymmetric on a tie) of the asymmetric
     grid and the symmetric one in the same uint8 form (m = -128 s), which holds a Q8_0 block (SmolLM2's embedding
     table, its tied head) exactly. A constant group gets s = 0. Raises ValueError when `group` does not divide K."""

@@ -118,8 +118,9 @@ def test_int8_keeps_a_q8_0_grid(kernels):
 
 def test_int8_keeps_a_q4_1_grid(kernels):
     """A GGUF Q4_1 row (blocks of 32: w = d * q4 + m, q4 in 0..15 with both ends used, d and m float16) comes back
-    as codes 17 * q4 and its weights within a few float32 roundings of the block's largest; where d / 17 and m are powers of two times
-    small integers, so that every step is exact in float32, bit for bit."""
+    as codes 17 * q4 (the min/max grid) and its weights within a few float32 roundings of the block's largest;
+    where d / 17 and m are powers of two times small integers, so that every step is exact in float32, bit for
+    bit."""
     gen = torch.Generator().manual_seed(41)
     n, k = 37, 5 * INT8_GROUP
     q4 = torch.randint(0, 16, (n, k), generator=gen)

@@ -5,23 +5,25 @@ of a row, ``linear_int8.cpp``), built on first use (``kernels/cpu_library.py``) 
 
 Why: the CPU engine's decode steps multiply at most max_num_seqs rows (1-32) by each weight. oneDNN's packed
 float32 path and MKL reach a fraction of one core's FMA rate there, and a batch-1 step is bound by reading the
-weights (540 MB in float32 for SmolLM2-135M); int8 panels read a quarter of that. Measured in docs/benchmarks.md
-("The CPU step"); the kernel's scheme is in the .cpp.
+weights (540 MB in float32 for SmolLM2-135M); int8 codes and their group parameters read 0.31 of that. Measured
+in docs/benchmarks.md ("The CPU step"); the kernels' schemes are in the .cpp files.
 
 Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
 ``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With
 ``accumulate`` the product is added to ``out``'s values (a fused residual add). Each output is one fp32 sum in k
 order (int8: of ``x * w``, w = q * s + m dequantized in float32; bfloat16: of ``bf16(x) * bf16(W)``, two products
-per step, vdpbf16ps's rounding), then the bias, whatever the number of rows: a row's result does not depend on the rest
-of the batch. Threads: the work is split over the calling
-thread's OpenMP team (torch's), with the GIL released.
+per step, vdpbf16ps's rounding), then the bias, whatever the number of rows: a row's result does not depend on the
+rest of the batch. Threads: the work is split over the calling thread's OpenMP team (torch's), with the GIL
+released.
 
 int8 quantisation (``pack(weight, "int8")``): asymmetric, per group of ``INT8_GROUP`` = 32 consecutive inputs of
-an output row (the last group of a row may be shorter): ``m = min W``, ``s = (max W - m) / 255``,
-``q = round((W - m) / s)`` (round half to even) in [0, 255], stored as uint8; a group of equal weights gets s = 0.
-The weight multiplied is ``q * s + m`` in float32 (one rounding where the CPU fuses multiply-adds), which
-``dequantize`` gives. A GGUF Q4_1 block of 32 (``d * q4 + m``, q4 in 0..15) comes back as q = 17 * q4, so a
-checkpoint dequantized from Q4_1 (SmolLM2's) keeps its weights up to float32 rounding (see the .cpp).
+an output row (the last group of a row may be shorter): ``q = round((W - m) / s)`` (round half to even) in
+[0, 255], stored as uint8, on whichever of two grids has the smaller largest error over the group (min/max on a
+tie): min/max, ``m = min W``, ``s = (max W - m) / 255``, or centred, ``s = max |W| / 127``, ``m = -128 s``; a group
+of equal weights gets s = 0. The weight multiplied is ``q * s + m`` in float32 (one rounding where the CPU fuses
+multiply-adds), which ``dequantize`` gives. A GGUF Q4_1 block of 32 (``d * q4 + m``, q4 in 0..15) comes back as
+q = 17 * q4 on the first grid, a Q8_0 block (``d * q8``) as q = q8 + 128 on the second, so a checkpoint dequantized
+from them (SmolLM2's) keeps its weights up to float32 rounding (see the .cpp).
 
 bfloat16 (``pack(weight, "bfloat16")``, only where ``bf16_kernel`` is not None): W rounded to nearest even, as
 ``weight.to(torch.bfloat16)``; x is rounded the same way inside each call. The panels hold pairs of consecutive k

@@ -16,7 +16,7 @@ extern "C" {
 
 typedef void (*LinearF32)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, float*,
                           int64_t, int64_t);
-typedef void (*LinearI8)(const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
+typedef void (*LinearI8)(const float*, int64_t, int64_t, int64_t, const uint8_t*, const float*, int64_t,
                          const float*, float*, int64_t, int64_t);
 typedef void (*LinearBf16)(const float*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, float*,
                            int64_t, int64_t);
@@ -28,7 +28,7 @@ typedef int64_t (*PagedDecode)(const void*, const void*, const void*, const int3
                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*, const int64_t*,
                                const int64_t*, int64_t, const int64_t*, float);
 
-// The kernels' entry points (linear_f32 / linear_i8 / linear_bf16, rms_norm_f32, rope_store_kv_f32 and
+// The kernels' entry points (linear_f32 / linear_i8 (linear_int8.cpp) / linear_bf16, rms_norm_f32, rope_store_kv_f32 and
 // paged_decode_f32 for float32 caches or their _bf16 forms for bfloat16 ones, silu_mul_f32).
 struct StepKernels {
   LinearF32 linear_f32;
@@ -40,8 +40,8 @@ struct StepKernels {
   PagedDecode paged_decode;
 };
 
-// A packed [n, k] weight: float32 or bfloat16 panels (scales null) or int8 panels with per-channel scales; bias may
-// be null.
+// A packed [n, k] weight: float32 or bfloat16 panels (scales null) or int8 codes (uint8) with their group scales
+// and minimums (kernels/linear_int8.cpp); bias may be null.
 struct StepProjection {
   const void* panels;
   const float* scales;
@@ -78,7 +78,7 @@ void project(const StepKernels& k, const StepProjection& w, const float* x, int6
   if (w.bf16)
     k.linear_bf16(x, rows, w.k, w.k, static_cast<const uint32_t*>(w.panels), w.n, w.bias, y, w.n, accumulate);
   else if (w.scales)
-    k.linear_i8(x, rows, w.k, w.k, static_cast<const int8_t*>(w.panels), w.scales, w.n, w.bias, y, w.n, accumulate);
+    k.linear_i8(x, rows, w.k, w.k, static_cast<const uint8_t*>(w.panels), w.scales, w.n, w.bias, y, w.n, accumulate);
   else
     k.linear_f32(x, rows, w.k, w.k, static_cast<const float*>(w.panels), w.n, w.bias, y, w.n, accumulate);
 }

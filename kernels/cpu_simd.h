@@ -2,7 +2,7 @@
 // a float vector of VEC lanes as a GCC/clang vector extension, so one kernel source compiles to AVX-512 (16
 // lanes), AVX2 (8) or 16-byte SSE/NEON vectors (4) by what -march=native enables.
 //
-// Where the generic form compiles to scalar code (a broadcast is an add of +0 then a shuffle, an int8 widening is
+// Where the generic form compiles to scalar code (a broadcast is an add of +0 then a shuffle, a byte widening is
 // 16 scalar moves), x86 gets the one instruction it needs.
 
 #pragma once
@@ -25,7 +25,7 @@ constexpr int VEC = 4;
 
 typedef float vf __attribute__((vector_size(VEC * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VEC * 4), aligned(4)));
-typedef int8_t vi8_unaligned __attribute__((vector_size(VEC), aligned(1)));
+typedef uint8_t vu8_unaligned __attribute__((vector_size(VEC), aligned(1)));
 typedef int32_t vi32 __attribute__((vector_size(VEC * 4)));
 
 inline vf load_vec(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
@@ -44,18 +44,18 @@ inline float hsum(vf v) {
 #endif
 }
 
-// x in every lane; VEC int8 values at p widened to float.
+// x in every lane; VEC uint8 values at p widened to float.
 #if defined(__AVX512F__)
 inline vf splat(float x) { return reinterpret_cast<vf>(_mm512_set1_ps(x)); }
-inline vf widen_i8(const int8_t* p) {
+inline vf widen_u8(const uint8_t* p) {
   return reinterpret_cast<vf>(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 }
 #elif defined(__AVX2__)
 inline vf splat(float x) { return reinterpret_cast<vf>(_mm256_set1_ps(x)); }
-inline vf widen_i8(const int8_t* p) {
+inline vf widen_u8(const uint8_t* p) {
   return reinterpret_cast<vf>(
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 }
 #else
 inline vf splat(float x) {
@@ -63,8 +63,8 @@ inline vf splat(float x) {
   for (int i = 0; i < VEC; ++i) v[i] = x;
   return v;
 }
-inline vf widen_i8(const int8_t* p) {
-  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const vi8_unaligned*>(p), vi32), vf);
+inline vf widen_u8(const uint8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const vu8_unaligned*>(p), vi32), vf);
 }
 #endif
 

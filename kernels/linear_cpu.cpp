@@ -1,6 +1,6 @@
 // Linear layers for CPUs: y[M, N] (+)= x[M, K] @ W[N, K]^T (+ bias) with W packed once into column panels, in
-// float32, as int8 with one float32 scale per output channel (weight-only quantisation: x stays float32), or as
-// bfloat16 where the CPU has AVX512-BF16 (x rounded to bfloat16 too, products summed in float32).
+// float32, or as bfloat16 where the CPU has AVX512-BF16 (x rounded to bfloat16 too, products summed in float32).
+// Weight-only int8 is linear_int8.cpp (its own tiles: 8-bit codes with group scales and minimums).
 // The C ABI below is called through ctypes by kernels/linear_cpu.py, which documents the contract; this file holds
 // only the arithmetic.
 //
@@ -15,11 +15,6 @@
 // and 2 * MR fused multiply-adds (MR = 6 with AVX2's 16 registers, as BLIS's Haswell sgemm kernel; 12 with
 // AVX-512's 32). Each output is one fp32 accumulator summed in k order; batches of 1-3 rows run tiles over 2-4
 // panels at once to keep 8 chains in flight (see `tile`).
-//
-// int8: q[n, k] = round(W[n, k] / s[n]) in [-127, 127], s[n] = max_k |W[n, k]| / 127 (symmetric per-channel,
-// as in LLM.int8()'s weight side, Dettmers et al. 2022, without its outlier split). y = s[n] * sum_k x[m, k] q[n, k]:
-// for a few rows the microkernel widens each int8 row of the panel to fp32 in registers; for more rows the panel is
-// widened once into a thread-local fp32 buffer and the float32 microkernel runs over it.
 //
 // bfloat16 (built only where the compiler targets AVX512-BF16, i.e. -march=native on such a CPU; elsewhere
 // linear_bf16_kernel() is 0): the panels hold pairs of consecutive k, [ceil(N / NR)][ceil(K / 2)][NR] pairs of
@@ -56,22 +51,20 @@
 #include "cpu_math.h"
 #include "cpu_peaks.h"
 #include "cpu_simd.h"
+#include "cpu_tiles.h"
 
 namespace {
 
 using omni::load_vec;
 using omni::splat;
-using omni::store_vec;
 using omni::vf;
 using omni::bf16_bits;
 using omni::VEC;
 
-#if defined(__AVX512F__)
-constexpr int MR = 12;
-#else
-constexpr int MR = 6;
-#endif
-constexpr int NR = 2 * VEC;
+using omni::MR;
+using omni::NR;
+using omni::panels_per_tile;
+using omni::write_tile;
 
 // Two bfloat16 of consecutive k (the lower k in the low half): one element of a bf16 panel or of bf16 x.
 struct Bf16Pair {
@@ -89,51 +82,15 @@ template <typename Weight>
 using Input = std::conditional_t<std::is_same_v<Weight, Bf16Pair>, Bf16Pair, float>;
 
 
-// Write an R x NR tile (columns [0, cols)) of accumulators to y: y = scale * acc + bias (+ y).
-template <int R>
-inline void write_tile(const vf (&acc)[R][2], float* y, int64_t ldy, int cols, const float* scale,
-                       const float* bias, bool accumulate) {
-  vf s0 = splat(1.0f), s1 = s0, b0 = vf{}, b1 = vf{};
-  float tmp[NR];
-  if (scale) {
-    std::memcpy(tmp, scale, sizeof tmp);
-    s0 = load_vec(tmp);
-    s1 = load_vec(tmp + VEC);
-  }
-  if (bias) {
-    std::memset(tmp, 0, sizeof tmp);
-    std::memcpy(tmp, bias, cols * sizeof(float));
-    b0 = load_vec(tmp);
-    b1 = load_vec(tmp + VEC);
-  }
-  for (int r = 0; r < R; ++r) {
-    vf v0 = acc[r][0] * s0 + b0, v1 = acc[r][1] * s1 + b1;
-    float* row = y + r * ldy;
-    if (cols == NR) {
-      if (accumulate) {
-        v0 += load_vec(row);
-        v1 += load_vec(row + VEC);
-      }
-      store_vec(row, v0);
-      store_vec(row + VEC, v1);
-    } else {
-      store_vec(tmp, v0);
-      store_vec(tmp + VEC, v1);
-      for (int c = 0; c < cols; ++c) row[c] = accumulate ? row[c] + tmp[c] : tmp[c];
-    }
-  }
-}
-
 // The R x (P * NR) tile of x @ [P consecutive panels] over k in [0, K): one accumulator per output, summed in k
 // order, so an output's value does not depend on R, P or where its row falls in the batch (batch-invariant).
 // Small R take several panels at once (P > 1) so that at least 8 independent multiply-add chains cover the FMA
-// units' latency (4 cycles, 2 units). Weight is float (float32 panels) or int8_t (widened in registers). While it
-// runs, the tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`). For bf16 panels K counts
-// pairs: Bf16Pair takes bf16 x (vdpbf16ps), Bf16Wide the bf16-rounded x as float32 (see the file comment).
+// units' latency (4 cycles, 2 units). Weight is float (float32 panels), Bf16Pair or Bf16Wide. While it runs, the
+// tile prefetches `ahead_lines` cache lines from `ahead` into L2 (see `run`). For bf16 panels K counts pairs:
+// Bf16Pair takes bf16 x (vdpbf16ps), Bf16Wide the bf16-rounded x as float32 (see the file comment).
 template <int R, int P, typename Weight>
 void tile(const Input<Weight>* x, int64_t ldx, const Weight* panel, int64_t K, float* y, int64_t ldy,
-          int64_t n_left, const float* scale, const float* bias, bool accumulate, const char* ahead,
-          int64_t ahead_lines) {
+          int64_t n_left, const float* bias, bool accumulate, const char* ahead, int64_t ahead_lines) {
   vf acc[P][R][2] = {};
   const int64_t lines_per_k = K > 0 ? (ahead_lines + K - 1) / K : 0;
   const char* const ahead_end = ahead + ahead_lines * 64;
@@ -166,14 +123,7 @@ void tile(const Input<Weight>* x, int64_t ldx, const Weight* panel, int64_t K, f
         }
 #endif
       } else {
-        vf w0, w1;
-        if constexpr (sizeof(Weight) == 1) {
-          w0 = omni::widen_i8(w);
-          w1 = omni::widen_i8(w + VEC);
-        } else {
-          w0 = load_vec(w);
-          w1 = load_vec(w + VEC);
-        }
+        const vf w0 = load_vec(w), w1 = load_vec(w + VEC);
         for (int r = 0; r < R; ++r) {
           const vf a = splat(x[r * ldx + k]);
           acc[j][r][0] += a * w0;
@@ -184,16 +134,13 @@ void tile(const Input<Weight>* x, int64_t ldx, const Weight* panel, int64_t K, f
   }
   for (int j = 0; j < P; ++j) {
     const int cols = static_cast<int>(std::min<int64_t>(NR, n_left - j * NR));
-    float panel_scale[NR] = {};
-    if (scale) std::memcpy(panel_scale, scale + j * NR, cols * sizeof(float));
-    write_tile<R>(acc[j], y + j * NR, ldy, cols, scale ? panel_scale : nullptr, bias ? bias + j * NR : nullptr,
-                  accumulate);
+    write_tile<R>(acc[j], y + j * NR, ldy, cols, bias ? bias + j * NR : nullptr, accumulate);
   }
 }
 
 template <typename Weight>
 using Tile = void (*)(const Input<Weight>*, int64_t, const Weight*, int64_t, float*, int64_t, int64_t,
-                      const float*, const float*, bool, const char*, int64_t);
+                      const float*, bool, const char*, int64_t);
 
 template <typename Weight, int... R>
 constexpr Tile<Weight> tiles[] = {nullptr, tile<R, 1, Weight>...};
@@ -213,80 +160,60 @@ constexpr const Tile<Weight>* tiles_for = tiles<Weight, 1, 2, 3, 4, 5, 6>;
 // projection, from the last-level cache after the first).
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;
 
-// Panels per tile for a batch of M rows (M < 4: 4 / M rounded up, so that R * P * 2 >= 8 chains).
-constexpr int panels_per_tile(int64_t M) { return M < 4 ? (4 + M - 1) / M : 1; }
-
 // wide_tiles<Weight>[M]: the tile of M rows over panels_per_tile(M) panels, M in [1, 3].
 template <typename Weight, int... R>
 constexpr Tile<Weight> wide_tiles_of[] = {nullptr, tile<R, panels_per_tile(R), Weight>...};
 template <typename Weight>
 constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 
-// The driver of linear_f32 / linear_i8. Work units, split statically over the threads: with M < 4 rows, groups
-// of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one tile; otherwise one
-// panel each, its rows in tiles of MR. The weights stream from memory once per call (a decode step's x rows stay
-// in L1/L2). With several tiles per panel the first tile would wait for memory while the others run from L2, so
-// the tiles prefetch the next panel into L2, each its share, and the stream overlaps the arithmetic. With one
-// tile the panels are read in address order and the hardware prefetchers keep up with float32; int8 panels of
-// 1-2 rows go through bytes about 4x faster than that, and prefetching the next unit's panels too took 13-19 % off
-// their time (measured on this project's AMD EPYC, AVX2; at 4 rows it cost 6-13 %, so it is not done there).
-// int8 with more than MR rows widens each panel once into a thread-local fp32 buffer and runs the float32 tiles.
-// For bf16 panels K counts pairs; x is bf16 pairs for Bf16Pair, float32 (two per pair, ldx in floats) for Bf16Wide.
+// The driver of linear_f32 and of linear_bf16's tiles. Work units, split statically over the threads: with M < 4
+// rows, groups of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one tile;
+// otherwise one panel each, its rows in tiles of MR. The weights stream from memory once per call (a decode step's
+// x rows stay in L1/L2). With several tiles per panel the first tile would wait for memory while the others run
+// from L2, so the tiles prefetch the next panel into L2, each its share, and the stream overlaps the arithmetic.
+// With one tile the panels are read in address order and the hardware prefetchers keep up with float32 (int8 codes
+// go through bytes faster: linear_int8.cpp prefetches for 1-2 rows too). For bf16 panels K counts pairs; x is bf16
+// pairs for Bf16Pair, float32 (two per pair, ldx in floats) for Bf16Wide.
 template <typename Weight>
-void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, const float* scales,
-         int64_t N, const float* bias, float* y, int64_t ldy, bool accumulate) {
+void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, int64_t N, const float* bias, float* y, int64_t ldy, bool accumulate) {
   if (M <= 0) return;
   const int64_t block = std::max<int64_t>(MR, ROW_BLOCK_BYTES / (ldx * sizeof(Input<Weight>)) / MR * MR);
   if (M > block) {  // a prefill's rows in blocks (see ROW_BLOCK_BYTES), each a call over all the panels
     for (int64_t m = 0; m < M; m += block)
-      run(x + m * ldx, std::min(block, M - m), K, ldx, packed, scales, N, bias, y + m * ldy, ldy, accumulate);
+      run(x + m * ldx, std::min(block, M - m), K, ldx, packed, N, bias, y + m * ldy, ldy, accumulate);
     return;
   }
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t panel_bytes = K * NR * static_cast<int64_t>(sizeof(Weight));
   const char* const packed_end = reinterpret_cast<const char*>(packed) + panels * panel_bytes;
-  const bool widen = sizeof(Weight) == 1 && M > MR;
-  const int64_t num_tiles = widen || sizeof(Weight) != 1 ? (M + MR - 1) / MR : 1;
-  const bool prefetch = num_tiles > 1 || (sizeof(Weight) == 1 && M <= 2);
+  const int64_t num_tiles = (M + MR - 1) / MR;
+  const bool prefetch = num_tiles > 1;
   const int group = panels_per_tile(M);
   const int64_t groups = group > 1 ? panels / group : 0;
   const int64_t units = groups + (panels - groups * group);
-#pragma omp parallel
-  {
-    std::vector<float> widened(widen ? K * NR : 0);
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) {
-      const bool grouped = u < groups;
-      const int64_t p = grouped ? u * group : groups * group + (u - groups);  // the unit's first panel
-      const int64_t unit_panels = grouped ? group : 1;
-      const Weight* panel = packed + p * K * NR;
-      const char* next = reinterpret_cast<const char*>(panel + unit_panels * K * NR);
-      const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes, packed_end - next) : 0;
-      const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
-      const float* s = scales ? scales + p * NR : nullptr;
-      const float* b = bias ? bias + p * NR : nullptr;
-      const int64_t n_left = N - p * NR;
-      if (M < 4 || (sizeof(Weight) == 1 && !widen)) {  // one tile for all the rows, the weights as they are
-        const Tile<Weight> one = grouped ? wide_tiles<Weight>[M] : tiles_for<Weight>[M];
-        one(x, ldx, panel, K, y + p * NR, ldy, n_left, s, b, accumulate, next, next_lines);
-        continue;
-      }
-      // the panel the tiles read: int8 widened to float32, the others as packed
-      using TileWeight = std::conditional_t<sizeof(Weight) == 1, float, Weight>;
-      const TileWeight* tile_panel = reinterpret_cast<const TileWeight*>(panel);
-      if constexpr (sizeof(Weight) == 1) {
-        for (int64_t i = 0; i < K * NR; i += VEC) store_vec(widened.data() + i, omni::widen_i8(
-            reinterpret_cast<const int8_t*>(panel) + i));
-        tile_panel = widened.data();
-      }
-      const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
-      for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-        const int64_t from = std::min(t * share, next_lines);
-        const int64_t lines = std::min(share, next_lines - from);
-        tiles_for<TileWeight>[rows](x + m * ldx, ldx, tile_panel, K, y + m * ldy + p * NR, ldy, n_left, s, b,
-                                    accumulate, next + from * 64, lines);
-      }
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const bool grouped = u < groups;
+    const int64_t p = grouped ? u * group : groups * group + (u - groups);  // the unit's first panel
+    const int64_t unit_panels = grouped ? group : 1;
+    const Weight* panel = packed + p * K * NR;
+    const char* next = reinterpret_cast<const char*>(panel + unit_panels * K * NR);
+    const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes, packed_end - next) : 0;
+    const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
+    const float* b = bias ? bias + p * NR : nullptr;
+    const int64_t n_left = N - p * NR;
+    if (M < 4) {  // one tile for all the rows
+      const Tile<Weight> one = grouped ? wide_tiles<Weight>[M] : tiles_for<Weight>[M];
+      one(x, ldx, panel, K, y + p * NR, ldy, n_left, b, accumulate, next, next_lines);
+      continue;
+    }
+    const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
+    for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+      const int64_t from = std::min(t * share, next_lines);
+      const int64_t lines = std::min(share, next_lines - from);
+      tiles_for<Weight>[rows](x + m * ldx, ldx, panel, K, y + m * ldy + p * NR, ldy, n_left, b, accumulate,
+                              next + from * 64, lines);
     }
   }
 }
@@ -430,31 +357,10 @@ void linear_pack_f32(const float* w, int64_t N, int64_t K, int64_t ldw, float* p
   pack_panels(N, K, packed, [&](int64_t n, int64_t k) { return w[n * ldw + k]; });
 }
 
-// w [N, K] float32 -> packed [ceil(N / NR)][K][NR] int8 and scales [N] float32 (see the file comment). A row of
-// zeros gets scale 0 (its outputs are the bias alone).
-void linear_pack_i8(const float* w, int64_t N, int64_t K, int64_t ldw, int8_t* packed, float* scales) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    float top = 0.0f;
-    for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(w[n * ldw + k]));
-    scales[n] = top / 127.0f;
-  }
-  pack_panels(N, K, packed, [&](int64_t n, int64_t k) {
-    const float q = scales[n] > 0.0f ? std::nearbyint(w[n * ldw + k] / scales[n]) : 0.0f;
-    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-  });
-}
-
 // y[M, N] = x[M, K] @ W^T (+ bias) (+ y when accumulate != 0). x rows have stride ldx, y rows stride ldy (floats).
 void linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, int64_t N,
                 const float* bias, float* y, int64_t ldy, int64_t accumulate) {
-  run<float>(x, M, K, ldx, packed, nullptr, N, bias, y, ldy, accumulate != 0);
-}
-
-// As linear_f32 with the int8 panels and per-channel scales of linear_pack_i8.
-void linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* packed, const float* scales,
-               int64_t N, const float* bias, float* y, int64_t ldy, int64_t accumulate) {
-  run<int8_t>(x, M, K, ldx, packed, scales, N, bias, y, ldy, accumulate != 0);
+  run<float>(x, M, K, ldx, packed, N, bias, y, ldy, accumulate != 0);
 }
 
 // w [N, K] float32 -> packed [ceil(N / NR)][linear_bf16_pairs(K)][NR] pairs of bfloat16 (see the file comment),
@@ -507,7 +413,7 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32
 #if defined(OMNI_AMX)
   if (kernel == 2) return run_amx(rounded.data(), M, pairs, panels, N, bias, y, ldy, accumulate != 0);
 #endif
-  run<Bf16Pair>(rounded.data(), M, pairs, pairs, panels, nullptr, N, bias, y, ldy, accumulate != 0);
+  run<Bf16Pair>(rounded.data(), M, pairs, pairs, panels, N, bias, y, ldy, accumulate != 0);
 #else
   (void)x, (void)K, (void)ldx, (void)packed, (void)N, (void)bias, (void)y, (void)ldy, (void)accumulate;
 #endif

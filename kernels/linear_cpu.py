@@ -1,24 +1,29 @@
-"""Linear layers for CPUs: a C++ kernel (``linear_cpu.cpp``) for ``y = x @ W.T (+ bias) (+ y)`` with W packed
-once into column panels, in float32, as weight-only int8 (one float32 scale per output channel) or, where the CPU
-has AVX512-BF16, as bfloat16 (x rounded to bfloat16 too, products summed in float32), built on first use
-(``kernels/cpu_library.py``) and called through ctypes.
+"""Linear layers for CPUs: C++ kernels for ``y = x @ W.T (+ bias) (+ y)`` with W packed once into column panels,
+in float32 or, where the CPU has AVX512-BF16, as bfloat16 (x rounded to bfloat16 too, products summed in float32)
+(``linear_cpu.cpp``), or as weight-only int8 (8-bit codes with a float32 scale and minimum per group of 32 inputs
+of a row, ``linear_int8.cpp``), built on first use (``kernels/cpu_library.py``) and called through ctypes.
 
 Why: the CPU engine's decode steps multiply at most max_num_seqs rows (1-32) by each weight. oneDNN's packed
 float32 path and MKL reach a fraction of one core's FMA rate there, and a batch-1 step is bound by reading the
-weights (540 MB in float32 for SmolLM2-135M); int8 panels read a quarter of that. Measured in docs/benchmarks.md
-("The CPU step"); the kernel's scheme is in the .cpp.
+weights (540 MB in float32 for SmolLM2-135M); int8 codes and their group parameters read 0.31 of that. Measured
+in docs/benchmarks.md ("The CPU step"); the kernels' schemes are in the .cpp files.
 
 Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
 ``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With
 ``accumulate`` the product is added to ``out``'s values (a fused residual add). Each output is one fp32 sum in k
-order (int8: of ``x * q``, times the channel's scale; bfloat16: of ``bf16(x) * bf16(W)``, two products per
-step, vdpbf16ps's rounding), then the bias, whatever the number of rows: a row's result does not depend on the rest
-of the batch. Threads: the work is split over the calling
-thread's OpenMP team (torch's), with the GIL released.
+order (int8: of ``x * w``, w = q * s + m dequantized in float32; bfloat16: of ``bf16(x) * bf16(W)``, two products
+per step, vdpbf16ps's rounding), then the bias, whatever the number of rows: a row's result does not depend on the
+rest of the batch. Threads: the work is split over the calling thread's OpenMP team (torch's), with the GIL
+released.
 
-int8 quantisation (``pack(weight, "int8")``): symmetric, per output channel: ``s[n] = max_k |W[n, k]| / 127``,
-``q = round(W / s)`` (round half to even) in [-127, 127]. ``dequantize`` gives the float32 weight the int8 panels
-stand for.
+int8 quantisation (``pack(weight, "int8")``): asymmetric, per group of ``INT8_GROUP`` = 32 consecutive inputs of
+an output row (the last group of a row may be shorter): ``q = round((W - m) / s)`` (round half to even) in
+[0, 255], stored as uint8, on whichever of two grids has the smaller largest error over the group (min/max on a
+tie): min/max, ``m = min W``, ``s = (max W - m) / 255``, or centred, ``s = max |W| / 127``, ``m = -128 s``; a group
+of equal weights gets s = 0. The weight multiplied is ``q * s + m`` in float32 (one rounding where the CPU fuses
+multiply-adds), which ``dequantize`` gives. A GGUF Q4_1 block of 32 (``d * q4 + m``, q4 in 0..15) comes back as
+q = 17 * q4 on the first grid, a Q8_0 block (``d * q8``) as q = q8 + 128 on the second, so a checkpoint dequantized
+from them (SmolLM2's) keeps its weights up to float32 rounding (see the .cpp).
 
 bfloat16 (``pack(weight, "bfloat16")``, only where ``bf16_kernel`` is not None): W rounded to nearest even, as
 ``weight.to(torch.bfloat16)``; x is rounded the same way inside each call. The panels hold pairs of consecutive k
@@ -38,11 +43,19 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CpuKernelUnavailable, CpuLibrary, check_cpu_tensor, check_disjoint, check_float32_rows
+from kernels.cpu_library import (
+    CpuKernelUnavailable,
+    CpuLibrary,
+    check_cpu_tensor,
+    check_disjoint,
+    check_float32_rows,
+    load_functions,
+)
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
           "-shared", "-fPIC", "-std=c++17"]
 WEIGHT_FORMATS = ("float32", "int8", "bfloat16")
+INT8_GROUP = 32  # inputs per int8 scale and minimum (linear_int8.cpp's GROUP)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _SIGNATURES = {
@@ -52,8 +65,13 @@ _SIGNATURES = {
     "linear_pack_bf16": ([_PTR, _I64, _I64, _I64, _PTR], None),
     "linear_bf16": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
     "linear_pack_f32": ([_PTR, _I64, _I64, _I64, _PTR], None),
-    "linear_pack_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "linear_f32": ([_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
+}
+_INT8_SOURCE = Path(__file__).with_name("linear_int8.cpp")
+_INT8_SIGNATURES = {
+    "linear_i8_group": ([], _I64),
+    "linear_i8_panel_width": ([], _I64),
+    "linear_pack_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "linear_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
 }
 
@@ -63,9 +81,12 @@ class PackedWeight:
     """A ``[out_features, in_features]`` weight in the kernel's layout.
 
     Attributes:
-        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 or int8 (NR: the kernel's panel width), or
+        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 or uint8 int8 codes (NR: the kernel's
+            panel width), or
             ``[ceil(out_features / NR), P, NR, 2]`` bfloat16 (P pairs of k, see the module docstring); zero-padded.
-        scales: ``[out_features]`` float32 per-channel scales of int8 panels; None for float32.
+        scales: the int8 codes' ``[ceil(out_features / NR), ceil(in_features / 32), 2, NR]`` float32 group
+            parameters (per panel and group of 32 inputs: the scales, then the minimums, of the panel's columns);
+            None for float32 and bfloat16.
     """
 
     panels: torch.Tensor
@@ -76,7 +97,7 @@ class PackedWeight:
     @property
     def format(self) -> str:
         """"int8", "bfloat16" or "float32", from the panels' dtype."""
-        return {torch.int8: "int8", torch.bfloat16: "bfloat16"}.get(self.panels.dtype, "float32")
+        return {torch.uint8: "int8", torch.bfloat16: "bfloat16"}.get(self.panels.dtype, "float32")
 
     @property
     def nbytes(self) -> int:
@@ -105,8 +126,17 @@ class CpuLinearKernels(CpuLibrary):
 
     def __init__(self, build_dir: str | os.PathLike):
         super().__init__(build_dir)
+        # the int8 kernels are their own library (linear_int8.cpp); their entry points join this one's
+        self._fn.update(load_functions(_INT8_SOURCE, Path(build_dir), self.FLAGS, _INT8_SIGNATURES)[1])
         self.panel_width = int(self._fn["linear_panel_width"]())
+        int8_layout = (self._fn["linear_i8_group"](), self._fn["linear_i8_panel_width"]())
+        if int8_layout != (INT8_GROUP, self.panel_width):
+            raise CpuKernelUnavailable(f"{_INT8_SOURCE.name} has groups and panels of {int8_layout}, this wrapper "
+                                       f"{(INT8_GROUP, self.panel_width)}")
         self.bf16_kernel = {2: "amx", 1: "avx512_bf16", 3: "avx512_fma"}.get(int(self._fn["linear_bf16_kernel"]()))
+
+    def _int8_params_shape(self, n: int, k: int) -> tuple[int, ...]:
+        return (-(-n // self.panel_width), -(-k // INT8_GROUP), 2, self.panel_width)
 
     def _shape(self, weight_format: str, n: int, k: int) -> tuple[int, ...]:
         if weight_format == "bfloat16":
@@ -136,37 +166,46 @@ class CpuLinearKernels(CpuLibrary):
             panels = torch.empty(shape, dtype=torch.float32)
             self._fn["linear_pack_f32"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr())
             return PackedWeight(panels, None, n, k)
-        panels = torch.empty(shape, dtype=torch.int8)
-        scales = torch.empty(n, dtype=torch.float32)
+        panels = torch.empty(shape, dtype=torch.uint8)
+        scales = torch.empty(self._int8_params_shape(n, k), dtype=torch.float32)
         self._fn["linear_pack_i8"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
         return PackedWeight(panels, scales, n, k)
 
     def check_packed(self, packed: PackedWeight) -> None:
         """Raise ValueError unless `packed` is laid out as this library packs: contiguous CPU panels of its panel
-        width covering the weight's shape, float32 or bfloat16 without scales or int8 with float32
-        ``[out_features]`` scales (a weight packed by a build with another panel width would be read past its end);
+        width covering the weight's shape, float32 or bfloat16 without scales or uint8 int8 codes with their float32
+        group parameters (a weight packed by a build with another panel width would be read past its end);
         bfloat16 only where this build has it."""
-        if packed.panels.dtype not in (torch.float32, torch.int8, torch.bfloat16):
-            raise ValueError(f"packed panels must be float32, int8 or bfloat16, got {packed.panels.dtype}")
+        if packed.panels.dtype not in (torch.float32, torch.uint8, torch.bfloat16):
+            raise ValueError(f"packed panels must be float32, uint8 (int8 codes) or bfloat16, got "
+                             f"{packed.panels.dtype}")
         if packed.panels.dtype == torch.bfloat16 and self.bf16_kernel is None:
             raise ValueError("bfloat16 panels need a build with AVX512-BF16, which this one lacks")
         shape = self._shape(packed.format, packed.out_features, packed.in_features)
         check_cpu_tensor("packed panels", packed.panels, packed.panels.dtype, shape)
-        if packed.panels.dtype == torch.int8:
+        if packed.panels.dtype == torch.uint8:
             if packed.scales is None:
-                raise ValueError("int8 panels need their per-channel scales")
-            check_cpu_tensor("scales", packed.scales, torch.float32, (packed.out_features,))
+                raise ValueError("int8 panels need their group scales and minimums")
+            check_cpu_tensor("scales", packed.scales, torch.float32,
+                             self._int8_params_shape(packed.out_features, packed.in_features))
         elif packed.scales is not None:
             raise ValueError(f"{packed.format} panels take no scales")
 
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
-        """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s``; for bfloat16 the
-        rounded weight, exactly)."""
+        """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s + m`` rounded once, as
+        the kernel's fused multiply-add gives it; for bfloat16 the rounded weight, exactly)."""
         n, k = packed.out_features, packed.in_features
         if packed.panels.dim() == 4:  # bfloat16 pairs: [panels, k / 2, NR, 2] -> [panels * NR, k / 2 * 2]
             return packed.panels.permute(0, 2, 1, 3).reshape(-1, packed.panels.shape[1] * 2)[:n, :k].float()
         weight = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
-        return weight if packed.scales is None else weight * packed.scales[:, None]
+        if packed.scales is None:
+            return weight
+        # [panels, groups, 2, NR] -> per row and input: scale, minimum; q * s is exact in float64 (8 + 24
+        # significant bits), so rounding q * s + m to float32 from there is the fused multiply-add's one rounding
+        # but where the float64 sum itself rounded onto a float32 tie
+        params = packed.scales.permute(0, 3, 1, 2).reshape(-1, packed.scales.shape[1], 2)[:n].double()
+        params = params.repeat_interleave(INT8_GROUP, dim=1)[:, :k]
+        return (weight.double() * params[..., 0] + params[..., 1]).float()
 
     def linear(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:

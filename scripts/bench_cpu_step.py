@@ -6,7 +6,7 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
 - ``onednn``: the torch modules with oneDNN-packed float32 weights (`engine/cpu_linear.py`), the CPU path before
   the C++ kernels, and what runs where they cannot be built;
 - ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the float32 default;
-- ``kernels-int8``: the same with weight-only int8 panels (quantization "int8");
+- ``kernels-int8``: the same with weight-only int8 codes and group scales (quantization "int8");
 - ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX, else vdpbf16ps or FMAs on the widened pairs,
   whichever the kernel measures faster; bf16 KV cache; AVX512-BF16 CPUs only);
 - ``kernels-bfloat16-vdpbf16ps``: the same with vdpbf16ps forced where there is no AMX (what such CPUs ran before
@@ -62,7 +62,8 @@ import bench_serving as serving  # noqa: E402  (its cpu_info)
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
 VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "kernels-bfloat16-vdpbf16ps",
             "onednn-bfloat16")
-WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1, "kernels-bfloat16": 2,
+# bytes per weight read by a batch-1 step; int8: the code plus a float32 scale and minimum per 32 weights
+WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1.25, "kernels-bfloat16": 2,
                 "kernels-bfloat16-vdpbf16ps": 2, "onednn-bfloat16": 2}
 
 

@@ -1,23 +1,24 @@
-"""Accuracy of the weight-only int8 mode (quantization "int8", kernels/linear_cpu.py) against float32, on SmolLM2-135M.
+"""Accuracy of the weight-only int8 mode (quantization "int8", kernels/linear_int8.cpp) against float32, on
+SmolLM2-135M.
 
 Measured over 50 chat prompts (the model's chat template over the questions below), greedy:
 - agreement: the int8 engine's and the float32 engine's completions (--new-tokens each, EOS ends one), the share of
   prompts whose completions are identical and the mean number of leading tokens they share;
-- logit error: transformers' model with the engine's dequantized int8 weights (q * s, what the int8 kernels
+- logit error: transformers' model with the engine's dequantized int8 weights (q * s + m, what the int8 kernels
   multiply by; tests/engine/test_cpu_kernel_step.py shows the engine's int8 tokens equal it) against the float32
   model, over every position of each prompt followed by the float32 completion (teacher forcing): max and mean
   absolute logit difference, and how often the argmax differs;
-- with --groups, instead: what per-group scales would give, before any kernel has them. transformers' float32 model
-  with its projections and head quantized and dequantized in torch (`fake_quantize`: one scale per `group`
-  consecutive inputs of an output row, as llama.cpp's Q8_0 (32) and AWQ (128) group; 0 is per channel, which
-  reproduces the engine's int8 weights exactly: recorded) generates greedily (all prompts in one left-padded
-  batch, ended at <|im_end|>), against the same model unquantized, padded alike: identical completions and mean
-  shared leading tokens per group size. A group must divide every projection's input width (SmolLM2-135M: 576
-  and 1536, so 32 or 64, not 128).
+- with --groups, instead: what other int8 grids give, simulated. transformers' float32 model with its projections
+  and head quantized and dequantized in torch (`fake_quantize`: one grid per `group` consecutive inputs of an
+  output row, as llama.cpp's Q8_0 / Q4_1 (32) and AWQ (128) group, 0 per channel; --schemes: symmetric,
+  asymmetric, or "two-grid", the engine's, whose distance from the engine's weights is recorded) generates
+  greedily (all prompts in one left-padded batch, ended at <|im_end|>), against the same model unquantized, padded
+  alike: identical completions and mean shared leading tokens per scheme and group size. A group must divide every
+  projection's input width (SmolLM2-135M: 576 and 1536, so 32 or 64, not 128).
 Writes benchmarks/results/int8_accuracy.json (with --groups: int8_groups.json); names the CPU.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py        # about 3 minutes on 2 cores
-    PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py --groups 0 64 32
+    PYTHONPATH=$PWD .venv/bin/python scripts/eval_int8_accuracy.py --groups 32 --schemes symmetric asymmetric two-grid
 """
 
 from __future__ import annotations
@@ -76,19 +77,36 @@ def dequantized_model(engine: LLMEngine):
     return model
 
 
-def fake_quantize(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 [N, K] -> the float32 [N, K] that symmetric int8 with one scale per `group` consecutive inputs of
-    each row gives back (q * s): s = max |W| over the group / 127, q = W / s rounded half to even, in [-127, 127];
-    a group of zeros gets s = 0. group 0: one scale per row (kernels/linear_cpu.cpp's linear_pack_i8, the same
-    float32 operations). Raises ValueError when `group` does not divide K."""
+def fake_quantize(weight: torch.Tensor, group: int, scheme: str = "symmetric") -> torch.Tensor:
+    """float32 [N, K] -> the float32 [N, K] that int8 with one grid per `group` consecutive inputs of each row
+    gives back. "symmetric": s = max |W| over the group / 127, q = W / s rounded half to even, in [-127, 127],
+    back as q * s (group 0: one scale per row, the engine's int8 before groups, bit for bit). "asymmetric": uint8
+    q with a scale and a minimum per group (m = min W, s = (max W - m) / 255, q = (W - m) / s rounded, in
+    [0, 255]), back as q * s + m; a Q4_1 block (w = d * q4 + m, q4 in 0..15, both ends used) comes back as q = 17 * q4. "two-grid":
+    what kernels/linear_int8.cpp packs, per group the closer (largest error; asymmetric on a tie) of the asymmetric
+    grid and the symmetric one in the same uint8 form (m = -128 s), which holds a Q8_0 block (SmolLM2's embedding
+    table, its tied head) exactly. A constant group gets s = 0. Raises ValueError when `group` does not divide K."""
     n, k = weight.shape
     group = group or k
     if k % group:
         raise ValueError(f"group {group} does not divide the input width {k}")
     w = weight.reshape(n, k // group, group)
-    scale = w.abs().amax(-1, keepdim=True) / 127.0
-    q = torch.where(scale > 0, torch.round(w / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(-127, 127)
-    return (q * scale).reshape(n, k)
+
+    def on_grid(scale: torch.Tensor, low: torch.Tensor, top: int) -> torch.Tensor:
+        q = torch.where(scale > 0, torch.round((w - low) / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(0, top)
+        return q * scale + low
+
+    symmetric = w.abs().amax(-1, keepdim=True) / 127.0
+    if scheme == "symmetric":
+        q = torch.where(symmetric > 0, torch.round(w / torch.where(symmetric > 0, symmetric, 1.0)), 0.0)
+        return (q.clamp(-127, 127) * symmetric).reshape(n, k)
+    low = w.amin(-1, keepdim=True)
+    spread = on_grid((w.amax(-1, keepdim=True) - low) / 255.0, low, 255)
+    if scheme == "asymmetric":
+        return spread.reshape(n, k)
+    centred = on_grid(symmetric, -128 * symmetric, 255)
+    closer = (centred - w).abs().amax(-1, keepdim=True) < (spread - w).abs().amax(-1, keepdim=True)
+    return torch.where(closer, centred, spread).reshape(n, k)
 
 
 def greedy(model, prompts: list[list[int]], new_tokens: int, eos: int) -> list[list[int]]:
@@ -112,27 +130,30 @@ def agreement(want: list[list[int]], got: list[list[int]]) -> tuple[int, float]:
     return sum(a == b for a, b in zip(want, got)), sum(shared) / len(shared)
 
 
-def simulated_groups(reference, engine_weights: dict[str, torch.Tensor], groups: list[int], prompts: list[list[int]],
-                     new_tokens: int, eos: int) -> dict:
+def simulated_groups(reference, engine_weights: dict[str, torch.Tensor], groups: list[int], schemes: list[str],
+                     prompts: list[list[int]], new_tokens: int, eos: int) -> dict:
     """Greedy agreement of `reference` (float32 transformers model) with copies whose weights named in
     `engine_weights` (the int8 engine's dequantized weights: which tensors it quantizes) are `fake_quantize`d per
-    group size; group 0 also records how far its weights are from the engine's (0 expected)."""
+    group size and scheme ({scheme: {group: result}}); "two-grid" in groups of 32 records how far its weights are
+    from the engine's (float32 roundings only: the engine fuses q * s + m)."""
     originals = {name: (reference.get_input_embeddings().weight if name == "lm_head.weight" else
                         reference.get_parameter(name)).detach() for name in engine_weights}
     want = greedy(reference, prompts, new_tokens, eos)
-    out = {}
-    for group in groups:
-        weights = {name: fake_quantize(w, group) for name, w in originals.items()}
-        model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie from the input table
-        model.load_state_dict(weights, strict=False)
-        same, shared = agreement(want, greedy(model, prompts, new_tokens, eos))
-        out[str(group)] = {"identical_completions": same, "mean_shared_leading_tokens": shared}
-        if group == 0:
-            out["0"]["max_abs_difference_from_engine"] = max((weights[n] - engine_weights[n]).abs().max().item()
-                                                             for n in weights)
-        print(f"group {group or 'per channel'}: {same}/{len(prompts)} identical, {shared:.1f} leading tokens shared",
-              flush=True)
+    out: dict = {}
+    for scheme in schemes:
+        for group in groups:
+            weights = {name: fake_quantize(w, group, scheme) for name, w in originals.items()}
+            model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie from the input
+            model.load_state_dict(weights, strict=False)
+            same, shared = agreement(want, greedy(model, prompts, new_tokens, eos))
+            result = out.setdefault(scheme, {})[str(group)] = {"identical_completions": same,
+                                                                "mean_shared_leading_tokens": shared}
+            if scheme == "two-grid" and group == 32:
+                result["max_abs_difference_from_engine"] = max((weights[n] - engine_weights[n]).abs().max().item()
+                                                               for n in weights)
+            print(f"{scheme} group {group or 'per channel'}: {same}/{len(prompts)} identical, {shared:.1f} leading "
+                  f"tokens shared", flush=True)
     return out
 
 
@@ -143,6 +164,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="*", default=[],
                         help="instead: simulate per-group scales of these sizes in transformers (0: per channel), "
                              "into int8_groups.json")
+    parser.add_argument("--schemes", nargs="+", choices=["symmetric", "asymmetric", "two-grid"],
+                        default=["two-grid"],
+                        help="with --groups: the int8 grids to simulate (fake_quantize)")
     args = parser.parse_args()
     config = dict(model_path=str(MODEL), dtype="float32", kv_cache_bytes=256 << 20, max_model_len=1024)
     fp32 = LLMEngine(EngineConfig(**config))
@@ -155,7 +179,7 @@ def main() -> None:
                   "new_tokens": args.new_tokens, "how": "transformers float32, weights fake-quantized per group, "
                   "greedy in one left-padded batch against the unquantized model padded alike",
                   "groups": simulated_groups(reference, int8.runner.model.cpu_forward.dequantized_weights(),
-                                             args.groups, prompts, args.new_tokens,
+                                             args.groups, args.schemes, prompts, args.new_tokens,
                                              fp32.tokenizer.convert_tokens_to_ids("<|im_end|>"))}
         out = args.results_dir / "int8_groups.json"
         out.write_text(json.dumps(result, indent=2) + "\n")

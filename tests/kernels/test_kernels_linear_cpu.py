@@ -1,4 +1,5 @@
-"""The C++ CPU linear kernel (float32 and weight-only int8 panels) against float64 matrix products, with the
+"""The C++ CPU linear kernels (float32 panels, weight-only int8 codes with group scales and minimums, bfloat16
+panels) against float64 matrix products, with the
 rounding-error bound of a float32 sum of K products (Higham, "Accuracy and Stability of Numerical Algorithms",
 2nd ed., section 3.1: |error| <= gamma_K * sum_k |x_k w_k|, gamma_K = K u / (1 - K u), u = 2^-24)."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kernels.cpu_library import CpuKernelUnavailable, cpu_features
-from kernels.linear_cpu import CpuLinearKernels, PackedWeight
+from kernels.linear_cpu import INT8_GROUP, CpuLinearKernels, PackedWeight
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
 
@@ -56,25 +57,92 @@ def test_float32_panels_match_float64(kernels, m, n, k):
                    _bound(x, w, 1) + bias.double().abs() * UNIT_ROUNDOFF)
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 6, 7, 13, 32])
-@pytest.mark.parametrize("n,k", [(5, 3), (40, 64), (100, 576)])
-def test_int8_panels_quantize_per_channel_and_match_float64(kernels, m, n, k):
+def _codes_and_params(kernels, packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 weight's codes q [N, K] and per-input scale s and minimum m [N, K] (float32), read from its layout."""
+    n, k = packed.out_features, packed.in_features
+    codes = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
+    params = packed.scales.permute(0, 3, 1, 2).reshape(-1, packed.scales.shape[1], 2)[:n]
+    params = params.repeat_interleave(INT8_GROUP, dim=1)[:, :k]
+    return codes, params[..., 0], params[..., 1]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 13, 32, 33])
+@pytest.mark.parametrize("n,k", [(5, 3), (40, 64), (33, 70), (100, 576)])
+def test_int8_codes_quantize_per_group_and_match_float64(kernels, m, n, k):
+    """Codes and group parameters are one of the documented quantizer's two grids (k = 3 and 70: a short last
+    group), each weight within half a step of its code; the kernel's
+    product is within the float32-sum bound of the float64 product of the dequantized weights, plus one rounding
+    of each weight (q * s + m, fused or not)."""
     gen = torch.Generator().manual_seed(7 * m + n + k)
     x = torch.randn(m, k, generator=gen)
-    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]  # channels of very different ranges
-    w[n // 2] = 0.0  # a channel of zeros: scale 0, outputs 0
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None] + torch.randn(n, 1, generator=gen)
+    w[n // 2] = 0.5  # a row of equal weights: s = 0, every weight exactly m
     packed = kernels.pack(w, "int8")
-    assert packed.panels.dtype == torch.int8 and packed.scales.shape == (n,)
-    scales = w.abs().amax(1) / 127
-    assert torch.equal(packed.scales, scales)
-    q = kernels.dequantize(packed)
-    # round to nearest: |W - q s| <= s / 2, plus the rounding of W / s (at most 127 u, in units of s) and of q s
-    assert bool(((q - w).abs() <= scales[:, None] * (0.5 + 1e-5)).all())
-    codes = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
-    assert codes.abs().max() <= 127 and torch.equal(codes[n // 2], torch.zeros(k))
-    # the kernel sums x * q in float32 and scales once: bound the sum of q products, then the scale's rounding
-    want = (x.double() @ codes.double().T) * scales.double()
-    _assert_within(kernels.linear(x, packed), want, _bound(x, codes, 1) * scales.double())
+    groups = -(-k // INT8_GROUP)
+    assert packed.panels.dtype == torch.uint8 and packed.scales.shape == (-(-n // kernels.panel_width), groups, 2,
+                                                                          kernels.panel_width)
+    codes, scale, low = _codes_and_params(kernels, packed)
+    for g in range(groups):
+        block = w[:, g * INT8_GROUP : (g + 1) * INT8_GROUP]
+        lo, hi, got = block.amin(1), block.amax(1), (scale[:, g * INT8_GROUP], low[:, g * INT8_GROUP])
+        centred = torch.maximum(hi, -lo) / 127
+        spread = (got[0] == (hi - lo) / 255) & (got[1] == lo)
+        assert bool((spread | (got[0] == centred) & (got[1] == -128 * centred)).all())
+    assert codes.min() >= 0 and codes.max() <= 255 and torch.equal(codes[n // 2], torch.zeros(k))
+    deq = kernels.dequantize(packed)
+    assert torch.equal(deq[n // 2], w[n // 2])
+    assert torch.equal(deq, (codes.double() * scale.double() + low.double()).float())
+    # round to nearest: |W - (q s + m)| <= s / 2, plus the roundings of (W - m) / s (in units of s) and of q s + m
+    assert bool(((deq - w).abs() <= scale * (0.5 + 1e-4) + w.abs() * 4 * UNIT_ROUNDOFF).all())
+    want = x.double() @ deq.double().T
+    _assert_within(kernels.linear(x, packed), want, _bound(x, deq, 1))
+
+
+def test_int8_keeps_a_q8_0_grid(kernels):
+    """A GGUF Q8_0 row (blocks of 32: w = d * q8, q8 in -127..127 with |q8| = 127 used, d float16: SmolLM2's
+    embedding table, its tied output head) comes back bit for bit, on the centred grid (codes q8 + 128)."""
+    gen = torch.Generator().manual_seed(42)
+    n, k = 37, 5 * INT8_GROUP
+    q8 = torch.randint(-127, 128, (n, k), generator=gen)
+    q8[:, ::INT8_GROUP] = 127 * (torch.randint(0, 2, (n, k // INT8_GROUP), generator=gen) * 2 - 1)
+    d = (torch.rand(n, k // INT8_GROUP, generator=gen) * 0.01 + 1e-4).half().float()
+    w = d.repeat_interleave(INT8_GROUP, 1) * q8  # exact in float32: 11 + 8 significant bits
+    packed = kernels.pack(w, "int8")
+    codes, scale, low = _codes_and_params(kernels, packed)
+    assert torch.equal(codes, q8 + 128.0) and torch.equal(scale, d.repeat_interleave(INT8_GROUP, 1))
+    assert torch.equal(low, -128 * scale)
+    assert torch.equal(kernels.dequantize(packed), w)
+    x = torch.randn(3, k, generator=gen)
+    _assert_within(kernels.linear(x, packed), x.double() @ w.double().T, _bound(x, w))
+
+
+def test_int8_keeps_a_q4_1_grid(kernels):
+    """A GGUF Q4_1 row (blocks of 32: w = d * q4 + m, q4 in 0..15 with both ends used, d and m float16) comes back
+    as codes 17 * q4 (the min/max grid) and its weights within a few float32 roundings of the block's largest;
+    where d / 17 and m are powers of two times small integers, so that every step is exact in float32, bit for
+    bit."""
+    gen = torch.Generator().manual_seed(41)
+    n, k = 37, 5 * INT8_GROUP
+    q4 = torch.randint(0, 16, (n, k), generator=gen)
+    q4[:, ::INT8_GROUP], q4[:, 1::INT8_GROUP] = 0, 15  # each block uses both ends, as Q4_1's quantizer does
+    for exact in (False, True):
+        if exact:
+            d = 17 * 2.0 ** -torch.randint(6, 12, (n, k // INT8_GROUP), generator=gen).double()
+            m = -8 * d / 17 * torch.randint(1, 60, d.shape, generator=gen)
+        else:
+            d = (torch.rand(n, k // INT8_GROUP, generator=gen) * 0.05).half().double()
+            m = (-torch.rand(n, k // INT8_GROUP, generator=gen) * 0.4).half().double()
+        w = (d.repeat_interleave(INT8_GROUP, 1) * q4 + m.repeat_interleave(INT8_GROUP, 1)).float()
+        packed = kernels.pack(w, "int8")
+        codes, _, _ = _codes_and_params(kernels, packed)
+        assert torch.equal(codes, 17.0 * q4)
+        deq = kernels.dequantize(packed)
+        if exact:
+            assert torch.equal(deq, w)
+        else:
+            # the roundings of the block's top, of s and of q * s + m: a few units in the block's largest weight
+            magnitude = (m.abs() + 15 * d).repeat_interleave(INT8_GROUP, 1)
+            assert bool(((deq - w).abs() <= magnitude * 4 * UNIT_ROUNDOFF).all())
 
 
 def test_bias_accumulate_and_strided_rows(kernels):
@@ -101,7 +169,7 @@ def test_each_row_is_the_same_whatever_the_batch(kernels, fmt):
     """Batch invariance: a row's outputs are bit for bit the same alone and at every position of batches of 2 to
     2 * MR + 1 rows (each output is one sum in k order, whichever tile and panel group computes it)."""
     gen = torch.Generator().manual_seed(11)
-    n, k = 5 * kernels.panel_width + 3, 96  # full panel groups, leftover panels and a partial last panel
+    n, k = 5 * kernels.panel_width + 3, 100  # full panel groups, leftover panels, a partial last panel and group
     packed = kernels.pack(torch.randn(n, k, generator=gen), fmt)
     x = torch.randn(25, k, generator=gen)
     alone = torch.cat([kernels.linear(x[i : i + 1], packed) for i in range(len(x))])
@@ -155,7 +223,7 @@ def test_contract_violations_raise(kernels):
     with pytest.raises(ValueError, match="packed panels must be a contiguous torch.float32 CPU tensor of shape"):
         kernels.linear(torch.randn(2, 4), narrow)
     int8 = kernels.pack(w, "int8")
-    with pytest.raises(ValueError, match="int8 panels need their per-channel scales"):
+    with pytest.raises(ValueError, match="int8 panels need their group scales and minimums"):
         kernels.linear(torch.randn(2, 4), PackedWeight(int8.panels, None, 8, 4))
 
 

@@ -9,8 +9,8 @@ place, RMSNorm, the fused gate/up projection, SiLU(gate) * up, and the down proj
 stream: 9 calls where the torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it
 in one call (`kernels/cpu_decode_step.py`, bit-identical). The arithmetic is the torch modules' (`models/llama.py`)
 in float32, each product one float32 sum; the weights are packed once, as float32 panels, with quantization "int8"
-as int8 panels with per-channel scales (weight-only: activations stay float32), or for a bfloat16 model as bfloat16
-panels (each projection's input rounded to bfloat16, float32 sums: AMX or AVX512-BF16), whose K/V cache is then
+as int8 codes with a scale and minimum per 32 inputs (weight-only: activations stay float32), or for a bfloat16
+model as bfloat16 panels (each projection's input rounded to bfloat16, float32 sums: AMX or AVX512-BF16), whose K/V cache is then
 bfloat16 too; norms, RoPE, softmax and the residual stream stay float32. Measured in docs/benchmarks.md ("The CPU
 step").
 """
@@ -115,10 +115,10 @@ class CpuLlamaForward:
         return sum(w.nbytes for w in packed) + self.head.nbytes
 
     def dequantized_weights(self) -> dict[str, torch.Tensor]:
-        """The float32 weights the packed projections and head multiply by (int8: q * s), split into transformers'
-        LlamaForCausalLM / Qwen2ForCausalLM names (``model.layers.{i}.self_attn.q_proj.weight``, ...,
+        """The float32 weights the packed projections and head multiply by (int8: q * s + m), split into
+        transformers' LlamaForCausalLM / Qwen2ForCausalLM names (``model.layers.{i}.self_attn.q_proj.weight``, ...,
         ``lm_head.weight``): loaded into transformers' model (strict=False, the head untied from the input table)
-        they reproduce this step's weights there. Per-channel scales are per output row, so the fused QKV and
+        they reproduce this step's weights there. int8 groups are within one output row, so the fused QKV and
         gate/up rows are each projection's own."""
         weights = {"lm_head.weight": self.linear.dequantize(self.head)}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,211 @@
+// Weight-only int8 linear layers for CPUs: y[M, N] (+)= x[M, K] @ W[N, K]^T (+ bias) with W as unsigned 8-bit
+// codes and, per group of GROUP = 32 consecutive inputs of each output row, a float32 scale and minimum:
+// W[n, k] ~ q[n, k] * s[n, g] + m[n, g], g = k / 32, q in [0, 255] (asymmetric, as GGUF's Q4_1 / Q8_1 blocks of
+// 32 and AWQ's zero points, here with 256 levels), q = round((W - m) / s) on the closer (largest error over the
+// group, min/max on a tie) of two grids: min/max, m = min of the group, s = (max - m) / 255, on which a Q4_1 block
+// (w = d * q4 + m, q4 in 0..15, both ends used by its quantizer) is q = 17 * q4; and centred, s = max |W| / 127,
+// m = -128 s, on which a Q8_0 block (w = d * q8, q8 in -127..127) is q = q8 + 128. So a checkpoint dequantized from
+// these GGUF types keeps its weights: SmolLM2's layers were Q4_1, its embedding table (the tied output head) Q8_0
+// (docs/benchmarks.md, "int8 accuracy": greedy completions identical to float32's).
+// The C ABI below is called through ctypes by kernels/linear_cpu.py (its "int8" format), which documents the
+// contract; this file holds only the arithmetic.
+//
+// Layout: the codes in column panels of NR = 2 * VEC output channels, [ceil(N / NR)][K][NR] (the float32 panels'
+// layout of linear_cpu.cpp, one byte a weight), and per panel its groups' parameters [ceil(K / 32)][2][NR]
+// (scales, then minimums; the last group may be shorter than 32; padding columns have s = m = 0).
+//
+// Microkernel: the float32 tile of linear_cpu.cpp with the weights dequantized in registers: per k, two loads of
+// NR codes widened to float32, w = q * s + m (one fused multiply-add, the group's s and m held in registers), then
+// R broadcasts of x and 2 R fused multiply-adds; every row of the tile reuses the dequantized vectors. Each output is
+// one float32 sum in k order of x * w, w the same float32 value whatever the batch, so a row's result does not
+// depend on the rest of the batch (batch-invariant); prefill (many rows) runs the same tiles, MR rows at a time.
+// Batches of 1-3 rows run tiles over 2-4 panels at once (8 multiply-add chains in flight); the tiles prefetch the
+// next unit's codes into L2 while 1-2 row batches stream the weights (see linear_cpu.cpp's `run`, same measurement).
+//
+// Work is split over panels across the calling thread's OpenMP team (static schedule); with one thread it runs on
+// the caller.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_simd.h"
+#include "cpu_tiles.h"
+
+namespace {
+
+using omni::load_vec;
+using omni::splat;
+using omni::vf;
+using omni::VEC;
+
+using omni::MR;
+using omni::NR;
+using omni::panels_per_tile;
+using omni::write_tile;
+constexpr int64_t GROUP = 32;
+
+// The float32 weights VEC codes stand for: q * s + m, one rounding where the CPU fuses multiply-adds (the same
+// expression everywhere, so every tile gets the same w).
+inline vf dequantize(const uint8_t* q, vf s, vf m) { return omni::widen_u8(q) * s + m; }
+
+// The R x (P * NR) tile of x @ [P consecutive panels] over k in [0, K) (see the file comment). `params` points at
+// the first panel's group parameters; `groups` = ceil(K / GROUP). While it runs, the tile prefetches
+// `ahead_lines` cache lines from `ahead` into L2.
+template <int R, int P>
+void tile(const float* x, int64_t ldx, const uint8_t* panel, const float* params, int64_t K, int64_t groups,
+          float* y, int64_t ldy, int64_t n_left, const float* bias, bool accumulate, const char* ahead,
+          int64_t ahead_lines) {
+  vf acc[P][R][2] = {};
+  const int64_t lines_per_k = K > 0 ? (ahead_lines + K - 1) / K : 0;
+  const char* const ahead_end = ahead + ahead_lines * 64;
+  for (int64_t g = 0; g < groups; ++g) {
+    vf s[P][2], m[P][2];
+    for (int j = 0; j < P; ++j) {
+      const float* group = params + (j * groups + g) * 2 * NR;
+      s[j][0] = load_vec(group);
+      s[j][1] = load_vec(group + VEC);
+      m[j][0] = load_vec(group + NR);
+      m[j][1] = load_vec(group + NR + VEC);
+    }
+    const int64_t k_end = std::min(K, (g + 1) * GROUP);
+    for (int64_t k = g * GROUP; k < k_end; ++k) {
+      for (int64_t i = 0; i < lines_per_k && ahead < ahead_end; ++i, ahead += 64) __builtin_prefetch(ahead, 0, 2);
+      for (int j = 0; j < P; ++j) {
+        const uint8_t* q = panel + (j * K + k) * NR;
+        const vf w0 = dequantize(q, s[j][0], m[j][0]), w1 = dequantize(q + VEC, s[j][1], m[j][1]);
+        for (int r = 0; r < R; ++r) {
+          const vf a = splat(x[r * ldx + k]);
+          acc[j][r][0] += a * w0;
+          acc[j][r][1] += a * w1;
+        }
+      }
+    }
+  }
+  for (int j = 0; j < P; ++j) {
+    const int cols = static_cast<int>(std::min<int64_t>(NR, n_left - j * NR));
+    write_tile<R>(acc[j], y + j * NR, ldy, cols, bias ? bias + j * NR : nullptr, accumulate);
+  }
+}
+
+using Tile = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, int64_t, float*, int64_t,
+                      int64_t, const float*, bool, const char*, int64_t);
+
+template <int... R>
+constexpr Tile one_panel[] = {nullptr, tile<R, 1>...};
+template <int... R>
+constexpr Tile wide[] = {nullptr, tile<R, panels_per_tile(R)>...};
+
+// tiles[r]: the one-panel tile of r rows, r in [1, MR]; wide_tiles[M]: M rows over panels_per_tile(M) panels.
+#if defined(__AVX512F__)
+constexpr const Tile* tiles = one_panel<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+#else
+constexpr const Tile* tiles = one_panel<1, 2, 3, 4, 5, 6>;
+#endif
+constexpr const Tile* wide_tiles = wide<1, 2, 3>;
+
+// A group's grid: w = q * scale + low, and the largest |w - (q * scale + low)| over the group.
+struct Grid {
+  float scale, low, error;
+};
+
+// Quantize n weights (one group of a row) onto the grid (s, m): q = round((w - m) / s) in [0, 255] (0 where
+// s = 0), written to q[i * stride]; returns the grid with its largest error, dequantized as the kernel does.
+Grid quantize_group(const float* w, int64_t n, float s, float m, uint8_t* q, int64_t stride) {
+  if (!(s > 0.0f)) s = 0.0f;
+  float error = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float code = s > 0.0f ? std::min(255.0f, std::max(0.0f, std::nearbyint((w[i] - m) / s))) : 0.0f;
+    q[i * stride] = static_cast<uint8_t>(code);
+    error = std::max(error, std::fabs(std::fma(code, s, m) - w[i]));
+  }
+  return {s, m, error};
+}
+
+}  // namespace
+
+extern "C" {
+
+// Inputs per group of one scale and minimum, and output channels per panel (linear_cpu.cpp's, by the same flags).
+int64_t linear_i8_group() { return GROUP; }
+int64_t linear_i8_panel_width() { return NR; }
+
+// w [N, K] float32 (row stride ldw) -> codes [ceil(N / NR)][K][NR] uint8 and params [ceil(N / NR)][ceil(K / 32)][2]
+// [NR] float32 (see the file comment). A constant group gets s = 0, q = 0 (w = m exactly).
+void linear_pack_i8(const float* w, int64_t N, int64_t K, int64_t ldw, uint8_t* packed, float* params) {
+  const int64_t panels = (N + NR - 1) / NR, groups = (K + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint8_t* codes = packed + p * K * NR;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* scale = params + (p * groups + g) * 2 * NR;
+      float* low = scale + NR;
+      const int64_t k0 = g * GROUP, k1 = std::min(K, k0 + GROUP);
+      for (int c = 0; c < NR; ++c) {
+        const int64_t n = p * NR + c;
+        scale[c] = low[c] = 0.0f;
+        if (n >= N) {
+          for (int64_t k = k0; k < k1; ++k) codes[k * NR + c] = 0;
+          continue;
+        }
+        const float* row = w + n * ldw;
+        float lo = row[k0], hi = row[k0];
+        for (int64_t k = k0 + 1; k < k1; ++k) lo = std::min(lo, row[k]), hi = std::max(hi, row[k]);
+        // the two grids (see the file comment): min/max, then centred; the centred one only where it is closer
+        const Grid spread = quantize_group(row + k0, k1 - k0, (hi - lo) / 255.0f, lo, codes + k0 * NR + c, NR);
+        const float centred_scale = std::max(hi, -lo) / 127.0f;
+        uint8_t centred[GROUP];
+        const Grid centre = quantize_group(row + k0, k1 - k0, centred_scale, -128.0f * centred_scale, centred, 1);
+        const Grid& best = centre.error < spread.error ? centre : spread;
+        scale[c] = best.scale;
+        low[c] = best.low;
+        if (&best == &centre)
+          for (int64_t k = k0; k < k1; ++k) codes[k * NR + c] = centred[k - k0];
+      }
+    }
+  }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias) (+ y when accumulate != 0) with the codes and params of linear_pack_i8. x rows
+// have stride ldx, y rows stride ldy (floats).
+void linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, const float* params,
+               int64_t N, const float* bias, float* y, int64_t ldy, int64_t accumulate) {
+  if (M <= 0) return;
+  const int64_t panels = (N + NR - 1) / NR, groups = (K + GROUP - 1) / GROUP;
+  const int64_t panel_bytes = K * NR;
+  const uint8_t* const packed_end = packed + panels * panel_bytes;
+  const int64_t num_tiles = M < 4 ? 1 : (M + MR - 1) / MR;
+  const bool prefetch = num_tiles > 1 || M <= 2;
+  const int group = panels_per_tile(M);
+  const int64_t grouped_units = group > 1 ? panels / group : 0;
+  const int64_t units = grouped_units + (panels - grouped_units * group);
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const bool grouped = u < grouped_units;
+    const int64_t p = grouped ? u * group : grouped_units * group + (u - grouped_units);  // the unit's first panel
+    const int64_t unit_panels = grouped ? group : 1;
+    const uint8_t* panel = packed + p * panel_bytes;
+    const char* next = reinterpret_cast<const char*>(panel + unit_panels * panel_bytes);
+    const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes,
+                                                            reinterpret_cast<const char*>(packed_end) - next) : 0;
+    const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
+    const float* unit_params = params + p * groups * 2 * NR;
+    const float* b = bias ? bias + p * NR : nullptr;
+    const int64_t n_left = N - p * NR;
+    if (M < 4) {
+      (grouped ? wide_tiles : tiles)[M](x, ldx, panel, unit_params, K, groups, y + p * NR, ldy, n_left, b,
+                                         accumulate != 0, next, next_lines);
+      continue;
+    }
+    const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
+    for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+      const int64_t from = std::min(t * share, next_lines);
+      const int64_t lines = std::min(share, next_lines - from);
+      tiles[rows](x + m * ldx, ldx, panel, unit_params, K, groups, y + m * ldy + p * NR, ldy, n_left, b,
+                  accumulate != 0, next + from * 64, lines);
+    }
+  }
+}
+
+}  // extern "C"

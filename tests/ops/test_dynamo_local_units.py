@@ -127,3 +127,10 @@ def test_the_control_plane_wait_returns_once_etcd_health_and_the_nats_port_answe
     finally:
         etcd.shutdown()
         nats.close()
+
+
+def test_system_ports_start_at_a_random_port_and_wrap_around_below_32768(monkeypatch):
+    monkeypatch.setattr(local.random, "randrange", lambda low, high: high - 1)
+    assert local.system_ports(2, low=32766) == [32767, 32766]  # from the start up to 32767, then from `low`
+    with pytest.raises(OSError, match="fewer than 3 free ports in 32766..32767"):
+        local.system_ports(3, low=32766)

@@ -10,7 +10,9 @@ frontend.txt), the workers in this interpreter's (the project venv, with require
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -226,15 +228,17 @@ def worker_devices(workers: int, gpus: int, visible: str | None) -> list[str | N
     return devices[:workers]
 
 
-def system_ports(count: int, first: int = 20000) -> list[int]:
-    """`count` TCP ports free on localhost now, from `first` up: Dynamo 1.6 reads `DYN_SYSTEM_PORT` as a signed
-    16-bit integer, so the OS's ephemeral ports (32768 and up here) are refused ("expected i16").
+def system_ports(count: int, low: int = 20000) -> list[int]:
+    """`count` TCP ports free on localhost now, in `low`..32767: Dynamo 1.6 reads `DYN_SYSTEM_PORT` as a signed
+    16-bit integer, so the OS's ephemeral ports (32768 and up here) are refused ("expected i16"). The search starts
+    at a random port (wrapping around), so launchers started together rarely pick the same ones.
 
     Raises:
-        OSError: fewer than `count` free ports below 32768.
+        OSError: fewer than `count` free ports in `low`..32767.
     """
+    start = random.randrange(low, 32768)
     found = []
-    for port in range(first, 32768):
+    for port in itertools.chain(range(start, 32768), range(low, start)):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -243,7 +247,7 @@ def system_ports(count: int, first: int = 20000) -> list[int]:
         found.append(port)
         if len(found) == count:
             return found
-    raise OSError(f"fewer than {count} free ports in {first}..32767 for Dynamo's system servers")
+    raise OSError(f"fewer than {count} free ports in {low}..32767 for Dynamo's system servers")
 
 
 def _answers(url: str) -> str:

@@ -47,7 +47,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefix as prefix  # noqa: E402  (the manual the system prompts are cut from, salts)
 import bench_serving as serving  # noqa: E402  (client, percentiles, CPU facts, process handling, our servers)
 
+from omni_backend.launch.dynamo.control_plane import (  # noqa: E402
+    etcd_command,
+    nats_command,
+    wait_etcd_and_nats,
+)
 from omni_backend.launch.dynamo.local import find_binary, frontend_python, system_ports  # noqa: E402
 from omni_backend.launch.ports import free_ports  # noqa: E402
 
@@ -89,17 +93,10 @@ class Process:
         """Until `url` answers 200; RuntimeError (naming the log) when the program exits or time runs out."""
         serving.wait_http(url, self.process, timeout_s, self.name, self.log)
 
-    def wait_port(self, port: int, timeout_s: float) -> None:
-        """Until something accepts TCP connections on localhost:`port`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} is not listening on {port} (log: {self.log})") from None
-                time.sleep(0.3)
+    def check_running(self) -> None:
+        """RuntimeError (naming the log) when the program has exited."""
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with code {self.process.returncode} (log: {self.log})")
 
     def stop(self) -> None:
         serving.stop_process(self.process)
@@ -146,17 +143,9 @@ class DynamoStack:
         etcd_client, etcd_peer, nats = free_ports(3)
         data = SCALE_CACHE / "etcd-data"
         shutil.rmtree(data, ignore_errors=True)  # no registration of an earlier run survives
-        etcd = self._spawn("etcd", [
-            find_binary("etcd"), "--name", "bench", "--data-dir", str(data),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-cluster", f"bench=http://127.0.0.1:{etcd_peer}"])
-        nats_server = self._spawn("nats", [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(nats), "-js",
-                                           "-sd", str(SCALE_CACHE / "nats-data")])
-        etcd.wait_http(f"http://127.0.0.1:{etcd_client}/health", 60)
-        nats_server.wait_port(nats, 60)
+        control = [self._spawn("etcd", etcd_command(find_binary("etcd"), data, etcd_client, etcd_peer, "bench")),
+                   self._spawn("nats", nats_command(find_binary("nats-server"), SCALE_CACHE / "nats-data", nats))]
+        wait_etcd_and_nats(etcd_client, nats, 60, lambda: [process.check_running() for process in control])
         dynamo_env = {**os.environ, "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_client}",
                       "NATS_SERVER": f"nats://127.0.0.1:{nats}", "HF_HUB_OFFLINE": "1", "DYN_LOG": "warn"}
         workers = []

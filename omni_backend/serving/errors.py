@@ -119,9 +119,12 @@ def server_unavailable(detail: str, server: tuple[str, str] | None = None) -> Op
 
 def call_failed(status: str, detail: str, model: str, server: tuple[str, str] | None = None) -> OpenAIError:
     """The OpenAIError for a gRPC call to `model` that failed as a whole, no stage having answered it (`status`:
-    gRPC's status name, `detail` its words): `server_unavailable` for UNAVAILABLE_STATUSES, else 500."""
+    gRPC's status name, `detail` its words): `server_unavailable` for UNAVAILABLE_STATUSES, 504 for
+    DEADLINE_EXCEEDED (as `from_triton`), else 500."""
     if status in UNAVAILABLE_STATUSES:
         return server_unavailable(detail, server)
+    if status == "DEADLINE_EXCEEDED":
+        return timed_out(f"the {model} call timed out: {detail}")
     return internal(f"the {model} call failed: {status}: {detail}")
 
 
@@ -129,6 +132,11 @@ def overloaded(limit: int) -> OpenAIError:
     """429 with Retry-After: the front door's own limit on requests in flight."""
     return OpenAIError(429, f"too many requests in flight (limit {limit}); retry shortly", "rate_limit_error",
                        None, "rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+
+
+def timed_out(message: str) -> OpenAIError:
+    """504: Triton gave up on the request at its deadline (gRPC DEADLINE_EXCEEDED)."""
+    return OpenAIError(504, message, "server_error", None, "timeout")
 
 
 def internal(message: str) -> OpenAIError:
@@ -209,7 +217,7 @@ def from_triton(message: str, grpc_status: str | None = None, prompt_field: str 
     if name == "NOT_FOUND" or (not name and "has no available versions" in message):
         return unavailable(f"a pipeline model is not loaded: {message}")
     if name == "DEADLINE_EXCEEDED":
-        return OpenAIError(504, message, "server_error", None, "timeout")
+        return timed_out(message)
     if not name and TRITON_UNAVAILABLE.search(message):
         return unavailable(message)
     return internal(message)

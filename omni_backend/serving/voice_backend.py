@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
@@ -70,7 +69,7 @@ class VoiceBackend(TritonGrpcUser):
         try:
             async for outputs in self._stream({T.VOICE: string_tensor("")}, ""):
                 self._voices = tuple(json.loads(outputs[T.VOICE].reshape(-1)[0]))
-        except (errors.OpenAIError, InferenceServerException, grpc.aio.AioRpcError):
+        except (errors.OpenAIError, InferenceServerException):  # stream_one maps gRPC's own errors to OpenAIError
             self._none_until = time.monotonic() + NO_VOICE_RECHECK_S
         return self._voices
 

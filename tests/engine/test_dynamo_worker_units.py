@@ -4,7 +4,11 @@ service (stages/llm/async_sink.py), without Dynamo: no etcd, NATS or ai-dynamo p
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import time
+import types
+from types import SimpleNamespace
 
 import pytest
 
@@ -152,3 +156,106 @@ def test_a_request_the_service_fails_raises_its_error():
 
     with pytest.raises(StageError, match="boom"):
         asyncio.run(read())
+
+
+# --- worker.py's Dynamo calls, over fake `dynamo.llm` / `dynamo.runtime` modules -----------------------------------
+
+
+class _HttpError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(code, message)
+        self.code = code
+
+
+class _FakeService:
+    def __init__(self, calls: list[str], fail_with: StageError | None = None):
+        self.calls, self.fail_with = calls, fail_with
+        self.engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(block_size=16))
+        self.core = SimpleNamespace(kv_events=SimpleNamespace(endpoint="ipc:///tmp/fake-kv-events"))
+
+    def start(self) -> None:
+        self.calls.append("service started")
+
+    def shutdown(self) -> None:
+        self.calls.append("service shut down")
+
+    def submit(self, request_id, prompt_token_ids, params, sink) -> None:
+        sink.fail(self.fail_with)  # as the engine loop does when the step fails the request
+
+
+def _fake_dynamo(monkeypatch, calls: list[str], failing: str) -> None:
+    """Install fake Dynamo modules whose step `failing` ("kv publisher", "load endpoint" or "register") raises."""
+
+    def step(name: str) -> None:
+        if name == failing:
+            raise RuntimeError(f"{name}: NATS unreachable")
+        calls.append(name)
+
+    class KvEventPublisher:
+        def __init__(self, **kwargs):
+            step("kv publisher")
+
+        def shutdown(self) -> None:
+            calls.append("kv publisher shut down")
+
+    class WorkerMetricsPublisher:
+        async def create_endpoint(self, endpoint) -> None:
+            step("load endpoint")
+
+    async def register_llm(*args, **kwargs) -> None:
+        step("register")
+
+    class DistributedRuntime:
+        def __init__(self, loop, *args):
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+        def endpoint(self, path: str):
+            return SimpleNamespace(path=path)
+
+    flags = SimpleNamespace(Tokens=1, Chat=1, Completions=2, Aggregated=0)
+    llm = types.ModuleType("dynamo.llm")
+    llm.__dict__.update(HttpError=_HttpError, KvEventPublisher=KvEventPublisher, ModelInput=flags, ModelType=flags,
+                        WorkerMetricsPublisher=WorkerMetricsPublisher, WorkerType=flags, register_llm=register_llm)
+    runtime = types.ModuleType("dynamo.runtime")
+    runtime.DistributedRuntime = DistributedRuntime
+    monkeypatch.setitem(sys.modules, "dynamo", types.ModuleType("dynamo"))
+    monkeypatch.setitem(sys.modules, "dynamo.llm", llm)
+    monkeypatch.setitem(sys.modules, "dynamo.runtime", runtime)
+
+
+@pytest.mark.parametrize("failing, undone", [
+    ("kv publisher", ["service shut down"]),
+    ("load endpoint", ["kv publisher shut down", "service shut down"]),
+    ("register", ["kv publisher shut down", "service shut down"]),
+])
+def test_a_dynamo_step_that_fails_after_the_engine_started_still_shuts_the_engine_down(monkeypatch, failing, undone):
+    from omni_backend.launch.dynamo import worker
+
+    calls: list[str] = []
+    _fake_dynamo(monkeypatch, calls, failing)
+    monkeypatch.setattr(worker, "llm_parameters", lambda options, kv_events: {"kv_events_topic": ""})
+    monkeypatch.setattr(worker, "create_service", lambda parameters: _FakeService(calls))
+    monkeypatch.setattr(worker, "runtime_config", lambda service: None)
+    with pytest.raises(RuntimeError, match=f"{failing}: NATS unreachable"):
+        asyncio.run(worker.serve(worker.WorkerOptions("/models/m")))
+    assert calls[-len(undone):] == undone, calls
+
+
+def test_a_request_the_engine_fails_is_an_http_error_and_not_logged_as_ended_by_its_caller(monkeypatch, caplog):
+    from omni_backend.launch.dynamo.worker import Handler
+
+    _fake_dynamo(monkeypatch, [], failing="")
+    handler = Handler(_FakeService([], fail_with=StageError(ErrorKind.INTERNAL, "llm failed: boom")))
+    context = SimpleNamespace(is_stopped=lambda: False, is_killed=lambda: False, id=lambda: "ctx-1")
+
+    async def read() -> None:
+        async for _ in handler.generate(DYNAMO_REQUEST, context):
+            pass
+
+    with caplog.at_level(logging.INFO), pytest.raises(_HttpError, match="boom") as error:
+        asyncio.run(read())
+    assert error.value.code == 500
+    assert "ended by its caller" not in caplog.text

@@ -132,7 +132,7 @@ def test_inference_pool_selects_front_doors_that_read_their_own_pods_tritonserve
 
 def launcher_flags(module: str) -> dict[str, tuple | None]:
     """The `--flags` a launcher's argparse parser declares, with their `choices` (None: any value), read from its
-    source: the Dynamo launcher imports ai-dynamo-runtime, which the default venv does not have."""
+    source: the parser is built inside the launcher's `main`, which goes on to serve."""
     tree = ast.parse((paths.PROJECT_ROOT / module).read_text())
     flags = {}
     for node in ast.walk(tree):

@@ -1,22 +1,24 @@
 """End to end on NVIDIA Dynamo: etcd + NATS + Dynamo's frontend (KV routing) + 2 of our workers (SmolLM2) on
 localhost, called with the openai client (launch/dynamo/local.py, as scripts/serve_dynamo.sh runs them).
 
-Opt-in: it needs the Dynamo packages (`scripts/setup.sh --dynamo`: ai-dynamo-runtime in .venv, the frontend's venv,
-etcd-server and nats-server) and skips without them. Run it with:
+Opt-in (it takes minutes): it runs only with OMNI_DYNAMO_TESTS=1, and then needs the Dynamo packages
+(`scripts/setup.sh --dynamo`: ai-dynamo-runtime in .venv, the frontend's venv, etcd-server and nats-server) and skips
+without them. Run it with:
 
     scripts/setup.sh --dynamo
-    flock /tmp/omni-server-tests.lock .venv/bin/python -m pytest tests/serving/test_dynamo_e2e.py -q
+    OMNI_DYNAMO_TESTS=1 flock /tmp/omni-server-tests.lock .venv/bin/python -m pytest tests/serving/test_dynamo_e2e.py -q
 
 What it proves: the frontend tokenizes and templates for our worker, which answers; a long shared prefix sent
 again is routed to the worker that holds it (every repeat reports `usage.prompt_tokens_details.cached_tokens` > 0,
 which our engine counts from its prefix cache, while a round-robin router would send every other repeat to the
 cold worker), and the router's index applied our workers' KV events (its `kv_cache_events_applied` counter) with
-none refused; a request the worker refuses is a 400 and the next one works; a stream the client closes early ends
-the worker's handler, which aborts it in the engine (the abort itself: tests/engine/test_dynamo_worker_units.py).
+none refused; a request only our worker refuses (n=2) is a 400 with the worker's message and the next one works; a
+stream the client closes early ends the worker's handler, which logs that request's abort in the engine (the abort itself: tests/engine/test_dynamo_worker_units.py).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -26,6 +28,8 @@ import pytest
 
 from omni_backend import paths
 
+if os.environ.get("OMNI_DYNAMO_TESTS") != "1":
+    pytest.skip("opt-in (minutes): set OMNI_DYNAMO_TESTS=1", allow_module_level=True)
 pytest.importorskip("dynamo.llm", reason="the Dynamo worker's packages are not installed: scripts/setup.sh --dynamo")
 
 from omni_backend.launch.dynamo.local import LocalDynamo, find_binary, frontend_python
@@ -91,6 +95,8 @@ def test_a_refused_request_is_a_client_error_and_the_next_one_works(dynamo):
     client = openai.OpenAI(base_url=dynamo.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2)
+    # the frontend answers "Bad Request" whoever refused it: the worker's log shows that it was ours
+    _wait_for_worker_line(dynamo, "HTTP 400: sampling_options.n must be 1 on this worker, got 2")
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                             temperature=0)
     assert answer.usage.completion_tokens == 4
@@ -101,13 +107,19 @@ def test_a_stream_the_client_closes_is_aborted_by_the_worker(dynamo):
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}], max_tokens=1500,
         stream=True, extra_body={"ignore_eos": True})
-    for received, _ in enumerate(stream, 1):
+    for received, chunk in enumerate(stream, 1):
         if received == 5:
             break
     stream.close()
-    deadline = time.monotonic() + 120  # the frontend tells the worker at its next chunk
+    # the frontend's request id (the chunks' `chatcmpl-<id>`) is the worker's context id, which its log line names
+    line = f"(Dynamo's {chunk.id.removeprefix('chatcmpl-')}) ended by its caller; aborting it in the engine"
+    _wait_for_worker_line(dynamo, line, timeout_s=120)  # the frontend tells the worker at its next chunk
+
+
+def _wait_for_worker_line(deployment: LocalDynamo, line: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any("ended by its caller; aborting it in the engine" in dynamo.log(f"worker{i}") for i in range(2)):
+        if any(line in deployment.log(f"worker{i}") for i in range(deployment.workers)):
             return
         time.sleep(0.2)
-    pytest.fail("no worker logged the abort of the closed stream")
+    pytest.fail(f"no worker logged {line!r}")

@@ -211,6 +211,8 @@ def test_stage_errors_map_by_their_kind_not_their_wording():
     assert errors.call_failed("RESOURCE_EXHAUSTED", "busy", "llm").message == "Triton is unavailable: busy"
     assert (errors.call_failed("INTERNAL", "boom", "llm").status,
             errors.call_failed("INTERNAL", "boom", "llm").message) == (500, "the llm call failed: INTERNAL: boom")
+    late = errors.call_failed("DEADLINE_EXCEEDED", "Deadline Exceeded", "llm")
+    assert (late.status, late.message) == (504, "the llm call timed out: Deadline Exceeded")  # as from_triton's
 
 
 def test_dead_stub_is_503_for_streams_and_unary_calls():

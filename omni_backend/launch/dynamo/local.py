@@ -1,15 +1,18 @@
 """A Dynamo deployment on this machine: etcd, NATS, Dynamo's frontend and N of our workers, each a child process on
 free local ports (`scripts/serve_dynamo.sh N`, and the end-to-end test).
 
-`python -m omni_backend.launch.dynamo.local N` serves until Ctrl-C/SIGTERM and then stops everything it started,
-workers first. The frontend runs in its own venv (`scripts/setup.sh --dynamo` makes it: requirements-dynamo-
+`python -m omni_backend.launch.dynamo.local N` serves until Ctrl-C/SIGTERM (also during startup) and then stops
+everything it started, the frontend first. On a machine with GPUs each worker gets a GPU of its own
+(`CUDA_VISIBLE_DEVICES`); the logs stay in `<cache>/dynamo/logs/<start time>-*/` after the stop. The frontend runs in its own venv (`scripts/setup.sh --dynamo` makes it: requirements-dynamo-
 frontend.txt), the workers in this interpreter's (the project venv, with requirements-dynamo.txt).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni_backend import paths
+from omni_backend.launch.dynamo.control_plane import (
+    etcd_command,
+    nats_command,
+    wait_etcd_and_nats,
+)
 from omni_backend.launch.ports import free_ports
+from omni_backend.ops.torch_flavor import nvidia_driver
 
 ROUTER_MODES = ("kv", "round-robin")
 STOP_TIMEOUT_S = 30.0
+CONTROL_PLANE_TIMEOUT_S = 60.0
+LOG_TAIL_LINES = 30
 
 
 def frontend_python() -> Path:
@@ -58,7 +69,9 @@ class LocalDynamo:
         router_mode: the frontend's `--router-mode` (`ROUTER_MODES`).
         http_port: the frontend's OpenAI port (0: a free one).
         settings: engine settings for every worker (`--setting NAME=VALUE`).
-        log_dir: where each process's output goes (`<name>.log`); None: a temporary folder.
+        log_dir: where each process's output goes (`<name>.log`); None: a new folder under `<cache>/dynamo/logs`.
+            It is kept after `stop`.
+        stop_event: set it (a signal handler) to end `start` early, with RuntimeError.
 
     Attributes:
         workers_health: each worker's Dynamo system port (`/health`, `/live`), in start order.
@@ -70,6 +83,7 @@ class LocalDynamo:
     http_port: int = 0
     settings: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
+    stop_event: threading.Event = field(default_factory=threading.Event)
     workers_health: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -77,11 +91,20 @@ class LocalDynamo:
             raise ValueError(f"router mode must be one of {', '.join(ROUTER_MODES)}, got {self.router_mode!r}")
         if self.workers < 1:
             raise ValueError(f"need at least one worker, got {self.workers}")
-        self._folder = tempfile.TemporaryDirectory(prefix="omni-dynamo-local-")
-        self.log_dir = self.log_dir or self._folder.name
+        self.env = dict(os.environ)
+        if self.workers > 1 and (self.env.get("OMNI_KV_EVENTS") or self.settings.get("kv_events")):
+            # one endpoint for N workers: the second bind fails (tcp) or takes the first's socket over (ipc)
+            raise ValueError(f"kv_events (OMNI_KV_EVENTS) names one endpoint, but each of the {self.workers} workers "
+                             f"binds its own stream; unset it (every worker then publishes on an ipc socket of its own)")
+        driver = nvidia_driver()
+        self.devices = worker_devices(self.workers, driver.gpus if driver else 0, self.env.get("CUDA_VISIBLE_DEVICES"))
+        self._folder = tempfile.TemporaryDirectory(prefix="omni-dynamo-local-")  # etcd's and NATS's data
+        if self.log_dir is None:
+            logs = paths.cache_dir() / "dynamo" / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            self.log_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=logs)
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self._processes: list[tuple[str, subprocess.Popen]] = []
-        self.env = dict(os.environ)
 
     @property
     def base_url(self) -> str:
@@ -100,12 +123,18 @@ class LocalDynamo:
         """What process `name` (etcd, nats, frontend, worker0, ...) wrote so far."""
         return (Path(self.log_dir) / f"{name}.log").read_text(errors="replace")
 
+    def tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines of process `name`'s log, headed by the log's path."""
+        path = Path(self.log_dir) / f"{name}.log"
+        return f"{path} ends with:\n" + "\n".join(self.log(name).splitlines()[-lines:])
+
     def start(self, ready_timeout_s: float = 600.0) -> LocalDynamo:
         """Start everything and wait until the frontend lists the model with every worker healthy.
 
         Raises:
-            FileNotFoundError: etcd, nats-server or the frontend venv missing; RuntimeError: a process exited or
-                the deployment was not ready within `ready_timeout_s` (everything started is stopped again).
+            FileNotFoundError: etcd, nats-server or the frontend venv missing; RuntimeError: a process exited, the
+                deployment was not ready within `ready_timeout_s` or `stop_event` was set (everything started is
+                stopped again).
         """
         try:
             self._start(ready_timeout_s)
@@ -119,15 +148,9 @@ class LocalDynamo:
         health = system_ports(self.workers)
         self.http_port = self.http_port or http
         data = Path(self._folder.name)
-        self._spawn("etcd", [find_binary("etcd"), "--data-dir", str(data / "etcd"),
-                             "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
-                             "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
-                             "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-                             "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}"])
-        # JetStream (-js): Dynamo's KV router keeps its snapshots in a NATS object store
-        self._spawn("nats", [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(nats), "-js",
-                             "-sd", str(data / "nats")])
+        self._spawn("etcd", etcd_command(find_binary("etcd"), data / "etcd", etcd_client, etcd_peer))
+        self._spawn("nats", nats_command(find_binary("nats-server"), data / "nats", nats))
+        wait_etcd_and_nats(etcd_client, nats, CONTROL_PLANE_TIMEOUT_S, self._check_alive, self.stop_event)
         self.env.update(ETCD_ENDPOINTS=f"http://127.0.0.1:{etcd_client}", NATS_SERVER=f"nats://127.0.0.1:{nats}",
                         HF_HUB_OFFLINE="1")
         frontend = frontend_python()
@@ -136,8 +159,10 @@ class LocalDynamo:
         self._spawn("frontend", [str(frontend), "-m", "dynamo.frontend", "--router-mode", self.router_mode,
                                  "--http-host", "127.0.0.1", "--http-port", str(self.http_port)])
         settings = [arg for name, value in self.settings.items() for arg in ("--setting", f"{name}={value}")]
-        for index, port in enumerate(health):
+        for index, (port, device) in enumerate(zip(health, self.devices)):
             env = dict(self.env, DYN_SYSTEM_ENABLED="true", DYN_SYSTEM_PORT=str(port))
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = device
             self._spawn(f"worker{index}", [sys.executable, "-m", "omni_backend.launch.dynamo", "--model", self.model,
                                            *settings], env)
             self.workers_health.append(port)
@@ -146,23 +171,28 @@ class LocalDynamo:
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for name, process in self._processes:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {process.returncode}; its log: "
-                                       f"{self.log(name)[-2000:]}")
+            self._check_alive()
             if all(_answers(f"http://127.0.0.1:{port}/health") for port in self.workers_health) and \
                     self.model in _answers(f"http://127.0.0.1:{self.http_port}/v1/models"):
                 return
-            time.sleep(1.0)
+            if self.stop_event.wait(1.0):
+                raise RuntimeError("stopped before the deployment was ready")
         raise RuntimeError(f"the Dynamo deployment was not ready within {timeout_s:.0f} s")
+
+    def _check_alive(self) -> None:
+        name = self.exited()
+        if name is not None:
+            raise RuntimeError(f"{name} exited with code {dict(self._processes)[name].returncode}; {self.tail(name)}")
 
     def exited(self) -> str | None:
         """The name of a process that has exited, None while all run."""
         return next((name for name, process in self._processes if process.poll() is not None), None)
 
     def stop(self) -> None:
-        """SIGTERM each process, workers first and etcd last (each may drain up to STOP_TIMEOUT_S), then SIGKILL."""
-        for _, process in reversed(self._processes):
+        """SIGTERM each process, the frontend first (no new requests), then the workers, NATS and etcd (each may
+        drain up to STOP_TIMEOUT_S), then SIGKILL. The logs stay."""
+        rest = [named for named in reversed(self._processes) if named[0] != "frontend"]
+        for _, process in [named for named in self._processes if named[0] == "frontend"] + rest:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
@@ -174,15 +204,41 @@ class LocalDynamo:
         self._folder.cleanup()
 
 
-def system_ports(count: int, first: int = 20000) -> list[int]:
-    """`count` TCP ports free on localhost now, from `first` up: Dynamo 1.6 reads `DYN_SYSTEM_PORT` as a signed
-    16-bit integer, so the OS's ephemeral ports (32768 and up here) are refused ("expected i16").
+def worker_devices(workers: int, gpus: int, visible: str | None) -> list[str | None]:
+    """Each worker's `CUDA_VISIBLE_DEVICES`: a GPU of its own, as each engine takes gpu_memory_utilization of the
+    GPU it sees.
+
+    Args:
+        gpus: how many GPUs NVML counts (0: none, or no NVML).
+        visible: this process's `CUDA_VISIBLE_DEVICES` (None: unset); when set, the workers share out its entries.
+
+    Returns:
+        `workers` device strings, or `workers` Nones on a machine without GPUs (the environment stays as it is).
 
     Raises:
-        OSError: fewer than `count` free ports below 32768.
+        ValueError: more workers than GPUs.
     """
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else \
+        [str(index) for index in range(gpus)]
+    if gpus == 0 or not devices:
+        return [None] * workers
+    if workers > len(devices):
+        raise ValueError(f"{workers} workers need a GPU each, but {len(devices)} GPU(s) are visible "
+                         f"({', '.join(devices)}); start at most {len(devices)}")
+    return devices[:workers]
+
+
+def system_ports(count: int, low: int = 20000) -> list[int]:
+    """`count` TCP ports free on localhost now, in `low`..32767: Dynamo 1.6 reads `DYN_SYSTEM_PORT` as a signed
+    16-bit integer, so the OS's ephemeral ports (32768 and up here) are refused ("expected i16"). The search starts
+    at a random port (wrapping around), so launchers started together rarely pick the same ones.
+
+    Raises:
+        OSError: fewer than `count` free ports in `low`..32767.
+    """
+    start = random.randrange(low, 32768)
     found = []
-    for port in range(first, 32768):
+    for port in itertools.chain(range(start, 32768), range(low, start)):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -191,7 +247,7 @@ def system_ports(count: int, first: int = 20000) -> list[int]:
         found.append(port)
         if len(found) == count:
             return found
-    raise OSError(f"fewer than {count} free ports in {first}..32767 for Dynamo's system servers")
+    raise OSError(f"fewer than {count} free ports in {low}..32767 for Dynamo's system servers")
 
 
 def _answers(url: str) -> str:
@@ -212,12 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-mode", default=os.environ.get("OMNI_DYNAMO_ROUTER_MODE", "kv"),
                         choices=ROUTER_MODES)
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("OMNI_DYNAMO_HTTP_PORT", "9000")))
-    parser.add_argument("--log-dir", help="where each process's log goes (default: a temporary folder)")
+    parser.add_argument("--log-dir", help="where each process's log goes (default: <cache>/dynamo/logs/<time>-*)")
     args = parser.parse_args(argv)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.set())
-    deployment = LocalDynamo(args.model, args.workers, args.router_mode, args.http_port, log_dir=args.log_dir)
+    try:
+        deployment = LocalDynamo(args.model, args.workers, args.router_mode, args.http_port, log_dir=args.log_dir,
+                                 stop_event=stop)
+    except ValueError as exc:
+        print(f"[dynamo] {exc}", file=sys.stderr)
+        return 1
     print(f"[dynamo] starting etcd, NATS, the frontend ({args.router_mode} routing) and {args.workers} workers; "
           f"logs in {deployment.log_dir}", flush=True)
     try:
@@ -227,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(1.0):
             name = deployment.exited()
             if name is not None:
-                print(f"[dynamo] {name} exited; stopping", file=sys.stderr)
+                print(f"[dynamo] {name} exited; stopping. {deployment.tail(name)}", file=sys.stderr)
                 return 1
-        print("[dynamo] stopping (workers first)", flush=True)
+        print(f"[dynamo] stopping (frontend first); logs kept in {deployment.log_dir}", flush=True)
         return 0
     except (FileNotFoundError, RuntimeError) as exc:
         print(f"[dynamo] {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ Discovery and events come from Dynamo's environment: `ETCD_ENDPOINTS`, `NATS_SER
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -103,6 +104,7 @@ class Handler:
                 finished = output.finished
                 yield protocol.chunk(output)
         except StageError as error:
+            finished = True  # the engine ended the request itself: nothing left to abort
             raise _http_error(error) from None
         finally:
             if not finished:  # the caller stopped reading (disconnect, cancellation): end it in the engine
@@ -185,13 +187,15 @@ async def serve(options: WorkerOptions) -> None:
         parameters = llm_parameters(options, f"ipc://{folder}/kv-events")
         service = await asyncio.to_thread(create_service, parameters)
         service.start()
-        kv_publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=service.engine.config.block_size,
-                                        zmq_endpoint=service.core.kv_events.endpoint.replace("*", "127.0.0.1"),
-                                        zmq_topic=parameters["kv_events_topic"])
-        load = WorkerMetricsPublisher()
-        await load.create_endpoint(endpoint)
-        load_task = asyncio.create_task(publish_load(service, load))
-        try:
+        with contextlib.ExitStack() as cleanup:  # undone in reverse, whichever step fails: the engine's threads last
+            cleanup.callback(service.shutdown)
+            kv_publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=service.engine.config.block_size,
+                                            zmq_endpoint=service.core.kv_events.endpoint.replace("*", "127.0.0.1"),
+                                            zmq_topic=parameters["kv_events_topic"])
+            cleanup.callback(kv_publisher.shutdown)
+            load = WorkerMetricsPublisher()
+            await load.create_endpoint(endpoint)
+            cleanup.callback(asyncio.create_task(publish_load(service, load)).cancel)
             await register_llm(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, options.model,
                                options.served_model_name, worker_type=WorkerType.Aggregated,
                                kv_cache_block_size=service.engine.config.block_size,
@@ -202,7 +206,3 @@ async def serve(options: WorkerOptions) -> None:
             await endpoint.serve_endpoint(Handler(service).generate, graceful_shutdown=True,
                                           health_check_payload=protocol.health_check_payload(
                                               bos if bos is not None else 0))
-        finally:
-            load_task.cancel()
-            kv_publisher.shutdown()
-            service.shutdown()

@@ -394,8 +394,8 @@ void linear_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, const uint32
             _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(b)), 16)));
       }
     }
-    return run<Bf16Wide>(widened.data(), M, pairs, 2 * pairs, reinterpret_cast<const Bf16Wide*>(panels), nullptr, N,
-                         bias, y, ldy, accumulate != 0);
+    return run<Bf16Wide>(widened.data(), M, pairs, 2 * pairs, reinterpret_cast<const Bf16Wide*>(panels), N, bias, y,
+                         ldy, accumulate != 0);
   }
   const int64_t padded_rows = kernel == 2 ? (M + 31) / 32 * 32 : M;  // AMX tiles read whole 16-row blocks
   thread_local std::vector<Bf16Pair> rounded;  // the caller's thread: x as bf16 pairs, [padded_rows][pairs]

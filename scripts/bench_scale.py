@@ -465,7 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     overhead_runs: dict[str, list] = {}
     loads = []
     try:
-        print("starting etcd, NATS, 3 Dynamo workers and 3 Dynamo frontends ...", flush=True)
+        started_here = "1 Dynamo worker and 1 Dynamo frontend" if args.overhead_only else \
+            "3 Dynamo workers and 3 Dynamo frontends"
+        print(f"starting etcd, NATS, {started_here} ...", flush=True)
         stack.start()
         if not args.skip_overhead:
             print("starting tritonserver (omni_chat) and our front door ...", flush=True)

@@ -28,6 +28,12 @@ engine's prefix cache supplied, as our worker reports them to Dynamo). Prefix hi
 Per route the report is the median over the rounds of each number; the JSON keeps every round. Ratios (targets of
 issue 29): hit rate kv / dynamo_single (>= 0.9), TTFT p50 round_robin / kv (>= 2), output tok/s dynamo_single /
 front_door (>= 0.9: the frontend costs at most 10 %). The routes' order rotates from round to round.
+Each overhead run also records where the CPU went (`cpu_cores`: CPU seconds per wall second of the frontend's and
+the engine process's trees, of the client's threads and of the whole machine from /proc/stat; `cpu_ms_per_token`:
+the frontend's and the engine process's CPU milliseconds per generated token, which do not depend on the share of
+the cores a loaded machine leaves the run; `runqueue_wait_cores`: how long their threads were ready but waited for
+a core, that share's other side). `--overhead-only` starts only what that workload needs (one worker,
+its frontend, our front door) and writes scale_overhead.json instead, leaving scale.json as it is.
 
 On a 2-core machine the two workers of a pair share the two cores with each other, the frontends and the client:
 routing can only move prefill work between workers that compete for the same cores, so the TTFT ratio here says
@@ -36,7 +42,8 @@ Writes scale.json and scale.png into --results-dir (default benchmarks/results).
 
 Usage (after scripts/setup.sh --dynamo: etcd, NATS, the worker runtime in .venv, the frontend's venv):
        PYTHONPATH=$PWD .venv/bin/python scripts/bench_scale.py [--rounds 2] [--requests 64] [--prompts 8]
-           [--system-tokens 1000] [--new-tokens 16] [--concurrency 8] [--skip-overhead] [--results-dir DIR]
+           [--system-tokens 1000] [--new-tokens 16] [--concurrency 8] [--skip-overhead | --overhead-only]
+           [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -149,8 +156,9 @@ class DynamoStack:
         dynamo_env = {**os.environ, "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_client}",
                       "NATS_SERVER": f"nats://127.0.0.1:{nats}", "HF_HUB_OFFLINE": "1", "DYN_LOG": "warn"}
         workers = []
-        for (name, namespace), system_port in zip((("pair_0", "pair"), ("pair_1", "pair"), ("single", "single")),
-                                                  system_ports(3)):
+        names = (("single", "single"),) if self.args.overhead_only else \
+            (("pair_0", "pair"), ("pair_1", "pair"), ("single", "single"))
+        for (name, namespace), system_port in zip(names, system_ports(len(names))):
             env = {**dynamo_env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(system_port)}
             command = [self.args.worker_python, "-m", "omni_backend.launch.dynamo", "--model", str(serving.MODEL),
                        "--served-model-name", "smollm2", "--namespace", namespace]
@@ -159,8 +167,8 @@ class DynamoStack:
             workers.append((self._spawn(f"worker_{name}", command, env), system_port))
         for worker, system_port in workers:  # one at a time: each builds its engine (and C++ kernels) first
             worker.wait_http(f"http://127.0.0.1:{system_port}/health", 600)
-        for route, namespace, mode in (("kv", "pair", "kv"), ("round_robin", "pair", "round-robin"),
-                                       ("dynamo_single", "single", "kv")):
+        frontends = (("kv", "pair", "kv"), ("round_robin", "pair", "round-robin"), ("dynamo_single", "single", "kv"))
+        for route, namespace, mode in frontends[2:] if self.args.overhead_only else frontends:
             (port,) = free_ports(1)
             frontend = self._spawn(f"frontend_{route}", [
                 self.args.frontend_python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
@@ -183,6 +191,10 @@ class DynamoStack:
 
     def pids(self) -> list[int]:
         return [p.process.pid for p in self.processes]
+
+    def pid(self, name: str) -> int:
+        """The process id of the started program `name` (e.g. "frontend_dynamo_single", "worker_single")."""
+        return next(p.process.pid for p in self.processes if p.name == name)
 
     def stop(self) -> None:
         """Frontends first, then the workers, then NATS and etcd."""
@@ -238,6 +250,51 @@ def run_prefix(base_url: str, model: str, requests: list[list[dict]], args) -> d
     return summary
 
 
+def run_overhead(send, questions: list[str], sides: dict[str, list[int]]) -> dict:
+    """bench_serving.run_level at concurrency 8, plus where the CPU went during the run: `cpu_cores[side]` = CPU
+    seconds of the process trees under `sides[side]` / wall seconds (1.0 = one core busy), the same for the
+    benchmark's own client threads (`client`) and for the whole machine (`machine`, from /proc/stat: every
+    process, other sessions' included); `cpu_ms_per_token[side]` = CPU milliseconds per generated token;
+    `runqueue_wait_cores[side]` = seconds its threads were ready to run but waited for a core, per wall second."""
+    before = {side: serving.cpu_seconds(roots) for side, roots in sides.items()}
+    waited = {side: runqueue_wait_seconds(roots) for side, roots in sides.items()}
+    client, machine = time.process_time(), busy_cpu_seconds()
+    run = serving.run_level(send, questions, 8)
+    used = {side: serving.cpu_seconds(roots) - before[side] for side, roots in sides.items()}
+    run["runqueue_wait_cores"] = {side: (runqueue_wait_seconds(roots) - waited[side]) / run["seconds"]
+                                  for side, roots in sides.items()}
+    run["cpu_cores"] = {**{side: cpu / run["seconds"] for side, cpu in used.items()},
+                        "client": (time.process_time() - client) / run["seconds"],
+                        "machine": (busy_cpu_seconds() - machine) / run["seconds"]}
+    run["cpu_ms_per_token"] = {side: 1000 * cpu / max(1, run["generated_tokens"]) for side, cpu in used.items()}
+    return run
+
+
+def runqueue_wait_seconds(roots: list[int]) -> float:
+    """Seconds the live threads of the process trees under `roots` spent runnable but waiting for a core (the
+    second field of /proc/PID/task/TID/schedstat, in ns)."""
+    total = 0
+    for pid in serving.process_tree(roots):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as handle:
+                    total += int(handle.read().split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat's first line: all but idle and iowait)."""
+    with open("/proc/stat") as handle:
+        ticks = [int(x) for x in handle.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def median_run(rounds: list[dict]) -> dict:
     """bench_serving.median_level plus the medians of the token totals and the hit rate."""
     out = serving.median_level(rounds)
@@ -286,6 +343,10 @@ def line(name: str, run: dict) -> str:
             f"{num(ttft.get('p99'), '.3f')} s  {run['output_tok_s']:6.1f} tok/s"
             + (f"  prompt {run['prompt_tokens_total']:.0f} tok, cached {num(run['cached_tokens_total'], '.0f')},"
                f" hit rate {num(run['hit_rate'], '.3f')}" if "hit_rate" in run else "")
+            + (" CPU cores " + ", ".join(f"{side} {cores:.2f}" for side, cores in run["cpu_cores"].items())
+               + ", waiting for a core " + ", ".join(f"{side} {cores:.2f}"
+                                                     for side, cores in run["runqueue_wait_cores"].items())
+               if "cpu_cores" in run else "")
             + (f"  errors: {run['errors']}" if run["errors"] else ""))
 
 
@@ -340,6 +401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-requests", type=int, default=32, help="overhead workload: requests per run")
     parser.add_argument("--overhead-new-tokens", type=int, default=64, help="overhead workload: tokens per request")
     parser.add_argument("--skip-overhead", action="store_true", help="no front door, no overhead workload")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the overhead workload: one worker, its frontend and our front door")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's dtype")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, every engine")
     parser.add_argument("--worker-python", default=sys.executable,
@@ -352,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.rounds, args.prompts, args.requests, args.concurrency, args.overhead_requests) < 1:
         parser.error("--rounds, --prompts, --requests, --concurrency and --overhead-requests must be at least 1")
+    if args.overhead_only and args.skip_overhead:
+        parser.error("--overhead-only and --skip-overhead exclude each other")
     try:
         for program in ("etcd", "nats-server"):
             find_binary(program)
@@ -389,7 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     overhead_runs: dict[str, list] = {}
     loads = []
     try:
-        print("starting etcd, NATS, 3 Dynamo workers and 3 Dynamo frontends ...", flush=True)
+        started_here = "1 Dynamo worker and 1 Dynamo frontend" if args.overhead_only else \
+            "3 Dynamo workers and 3 Dynamo frontends"
+        print(f"starting etcd, NATS, {started_here} ...", flush=True)
         stack.start()
         if not args.skip_overhead:
             print("starting tritonserver (omni_chat) and our front door ...", flush=True)
@@ -398,14 +465,19 @@ def main(argv: list[str] | None = None) -> None:
         questions = [serving.QUESTIONS[i % len(serving.QUESTIONS)] for i in range(args.overhead_requests)]
         senders = {"dynamo_single": lambda q: serving.openai_chat_request(*stack.routes["dynamo_single"], q,
                                                                           args.overhead_new_tokens)}
+        sides = {"dynamo_single": {"frontend": [stack.pid("frontend_dynamo_single")],
+                                   "engine_process": [stack.pid("worker_single")]}}
         if ours:
             senders["front_door"] = lambda q: serving.openai_chat_request(ours.base_url, "omni_chat", q,
                                                                           args.overhead_new_tokens)
+            sides["front_door"] = {"frontend": [ours.front_door.process.pid],
+                                   "engine_process": [ours.triton.process.pid]}
         results["round_orders"] = []
         for r in range(args.rounds):
-            order = list(ROUTES[r % len(ROUTES):] + ROUTES[:r % len(ROUTES)])
+            order = [] if args.overhead_only else list(ROUTES[r % len(ROUTES):] + ROUTES[:r % len(ROUTES)])
             results["round_orders"].append(order)
-            print(f"round {r + 1}/{args.rounds}: prefix workload through {', '.join(order)}", flush=True)
+            print(f"round {r + 1}/{args.rounds}: prefix workload through {', '.join(order) or 'no route'}",
+                  flush=True)
             for route in order:
                 serving.settle(pids)
                 run = run_prefix(*stack.routes[route], prefix_requests(prompts, args, seed=r), args)
@@ -413,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(line(route, run), flush=True)
             for name in (list(senders) if r % 2 == 0 else list(reversed(senders))):
                 serving.settle(pids)
-                run = serving.run_level(senders[name], questions, 8)
+                run = run_overhead(senders[name], questions, sides[name])
                 overhead_runs.setdefault(name, []).append(run)
                 print(line(name, run), flush=True)
             loads.append(os.getloadavg())
@@ -424,7 +496,9 @@ def main(argv: list[str] | None = None) -> None:
     results["load_average_per_round"] = loads
     results["load_average_at_end"] = os.getloadavg()
     results["prefix"] = {route: median_run(runs) for route, runs in prefix_runs.items()}
-    results["overhead"] = {name: serving.median_level(runs) for name, runs in overhead_runs.items()}
+    results["overhead"] = {name: {**serving.median_level(runs), **{key: {
+        side: statistics.median(run[key][side] for run in runs) for side in runs[0][key]}
+        for key in ("cpu_cores", "cpu_ms_per_token", "runqueue_wait_cores")}} for name, runs in overhead_runs.items()}
     results["ratios"], results["ratios_per_round"] = ratios(results)
     results["targets"] = prefix.targets(results["ratios"], TARGETS)
     results["seconds"] = time.perf_counter() - started
@@ -438,6 +512,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key}: {value:.2f} (per round: {each})"
               + (f"  target {target['target']}: {'met' if target['met'] else 'not met'}" if target else ""))
     args.results_dir.mkdir(parents=True, exist_ok=True)
+    if args.overhead_only:  # beside scale.json, which keeps the full run's numbers
+        (args.results_dir / "scale_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.results_dir / 'scale_overhead.json'} in {results['seconds']:.0f} s")
+        return
     (args.results_dir / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.results_dir / "scale.png")
     print(f"wrote {args.results_dir / 'scale.json'} and scale.png in {results['seconds']:.0f} s")

@@ -259,3 +259,50 @@ def test_a_request_the_engine_fails_is_an_http_error_and_not_logged_as_ended_by_
         asyncio.run(read())
     assert error.value.code == 500
     assert "ended by its caller" not in caplog.text
+
+
+def test_outputs_that_wait_for_the_reader_come_as_one_delta_with_every_token_in_order():
+    """A reader that fell behind gets what accumulated in one output (one Dynamo message, not one per token), the
+    final one's finish reason and counts included; an error after outputs is raised once they are read."""
+    async def read() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        sink = AsyncSink(asyncio.get_running_loop())
+        sink.send(RequestOutput("r", "a", [3], None, prompt_tokens=5, completion_tokens=1))
+        sink.send(RequestOutput("r", "b", [4, 5], None, prompt_tokens=5, completion_tokens=3))
+        sink.send(RequestOutput("r", "c", [6], "length", prompt_tokens=5, completion_tokens=4, cached_tokens=2))
+        joined = [output async for output in sink]
+        failing = AsyncSink(asyncio.get_running_loop())
+        failing.send(RequestOutput("s", "x", [7], None, prompt_tokens=1, completion_tokens=1))
+        failing.send(RequestOutput("s", "y", [8], None, prompt_tokens=1, completion_tokens=2))
+        failing.fail(StageError(ErrorKind.INTERNAL, "llm failed: late"))
+        before_error = []
+        with pytest.raises(StageError, match="late"):
+            async for output in failing:
+                before_error.append(output)
+        return joined, before_error
+
+    joined, before_error = asyncio.run(read())
+    assert [(o.token_ids, o.text, o.finish_reason, o.completion_tokens, o.cached_tokens) for o in joined] == [
+        ([3, 4, 5, 6], "abc", "length", 4, 2)]
+    assert [(o.token_ids, o.finished) for o in before_error] == [([7, 8], False)]
+
+
+def test_a_reader_waiting_while_outputs_arrive_from_another_thread_gets_every_token_in_order():
+    """The wake-up handshake: no output sent while the reader waits or reads is lost (a lost wake-up hangs)."""
+    import threading
+
+    async def read() -> list[int]:
+        sink = AsyncSink(asyncio.get_running_loop())
+
+        def produce():
+            for i in range(50):
+                sink.send(RequestOutput("r", str(i), [i], None, prompt_tokens=1, completion_tokens=i + 1))
+                time.sleep(0.001)
+            sink.send(RequestOutput("r", "", [50], "length", prompt_tokens=1, completion_tokens=51))
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        tokens = [t async for output in sink for t in output.token_ids]
+        thread.join()
+        return tokens
+
+    assert asyncio.run(asyncio.wait_for(read(), 30)) == list(range(51))

@@ -175,13 +175,18 @@ constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 // go through bytes faster: linear_int8.cpp prefetches for 1-2 rows too). For bf16 panels K counts pairs; x is bf16
 // pairs for Bf16Pair, float32 (two per pair, ldx in floats) for Bf16Wide.
 template <typename Weight>
-void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, int64_t N, const float* bias, float* y, int64_t ldy, bool accumulate) {
+void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, int64_t N,
+         const float* bias, float* y, int64_t ldy, bool accumulate) {
   if (M <= 0) return;
-  const int64_t block = std::max<int64_t>(MR, ROW_BLOCK_BYTES / (ldx * sizeof(Input<Weight>)) / MR * MR);
-  if (M > block) {  // a prefill's rows in blocks (see ROW_BLOCK_BYTES), each a call over all the panels
-    for (int64_t m = 0; m < M; m += block)
-      run(x + m * ldx, std::min(block, M - m), K, ldx, packed, N, bias, y + m * ldy, ldy, accumulate);
-    return;
+  if (M > MR) {  // a prefill's rows in blocks (see ROW_BLOCK_BYTES), each a call over all the panels
+    // ldx may be 0 (K == 0, or rows given with stride 0): a row then takes no bytes, and one block holds them all
+    const int64_t row_bytes = std::max<int64_t>(ldx, 1) * static_cast<int64_t>(sizeof(Input<Weight>));
+    const int64_t block = std::max<int64_t>(MR, ROW_BLOCK_BYTES / row_bytes / MR * MR);
+    if (M > block) {
+      for (int64_t m = 0; m < M; m += block)
+        run(x + m * ldx, std::min(block, M - m), K, ldx, packed, N, bias, y + m * ldy, ldy, accumulate);
+      return;
+    }
   }
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t panel_bytes = K * NR * static_cast<int64_t>(sizeof(Weight));

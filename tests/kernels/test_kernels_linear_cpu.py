@@ -305,6 +305,28 @@ def test_bf16_rows_in_blocks_equal_rows_alone(bf16_kernels):
     _rows_in_blocks_equal_rows_alone(bf16_kernels, "bfloat16")
 
 
+def test_bf16_empty_k_gives_the_bias(bf16_kernels):
+    """K = 0 (no pairs, rows of 0 bytes): every row is the bias, for more rows than one tile (the row-block split
+    must not divide by the row size)."""
+    bias = torch.randn(7, generator=torch.Generator().manual_seed(6))
+    packed = bf16_kernels.pack(torch.empty(7, 0), "bfloat16")
+    assert torch.equal(bf16_kernels.linear(torch.empty(40, 0), packed, bias), bias.expand(40, 7))
+
+
+def test_the_fma_and_vdpbf16ps_kernels_agree_bit_for_bit(bf16_kernels, tmp_path_factory):
+    """The FMAs on widened pairs sum the same exact products in vdpbf16ps's order (pair by pair into one float32
+    accumulator), so on normal-range inputs both kernels give the same bits (the file comment's promise)."""
+    if bf16_kernels.build != "fma":
+        pytest.skip("compared once, from the forced FMA build")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + ["-mno-amx-tile", "-DOMNI_BF16_KERNEL=1"])
+        vdp = CpuLinearKernels(tmp_path_factory.mktemp("linear_vdpbf16ps_cmp"))
+    gen = torch.Generator().manual_seed(13)
+    for m, n, k in [(1, 64, 64), (5, 100, 577), (33, 70, 1537)]:
+        w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+        assert torch.equal(bf16_kernels.linear(x, bf16_kernels.pack(w, "bfloat16")), vdp.linear(x, vdp.pack(w, "bfloat16")))
+
+
 def test_bf16_bias_accumulate_and_strided_rows(bf16_kernels):
     gen = torch.Generator().manual_seed(4)
     m, n, k = 37, 35, 40

@@ -1,4 +1,4 @@
-"""The Dynamo worker's request/response mapping (launch/dynamo/protocol.py) and its asyncio stream over the llm
+"""The Dynamo worker's request/response mapping (stages/llm/dynamo_protocol.py) and its asyncio stream over the llm
 service (stages/llm/async_sink.py), without Dynamo: no etcd, NATS or ai-dynamo package needed."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from omni_backend.engine.config import EngineConfig
 from omni_backend.engine.llm_engine import LLMEngine, RequestOutput
 from omni_backend.engine.sampling_params import InvalidSamplingParam, SamplingParams
-from omni_backend.launch.dynamo import protocol
 from omni_backend.repository import Settings
+from omni_backend.stages.llm import dynamo_protocol as protocol
 from omni_backend.stages.llm.async_sink import AsyncSink
 from omni_backend.stages.llm.parameters import parse_parameters
 from omni_backend.stages.llm.service import LLMService
@@ -158,7 +158,7 @@ def test_a_request_the_service_fails_raises_its_error():
         asyncio.run(read())
 
 
-# --- worker.py's Dynamo calls, over fake `dynamo.llm` / `dynamo.runtime` modules -----------------------------------
+# --- dynamo_endpoint.py's Dynamo calls (the worker's and the Triton stage's), over fake `dynamo.llm` / `dynamo.runtime` modules -----------------------------------
 
 
 class _HttpError(Exception):
@@ -170,7 +170,10 @@ class _HttpError(Exception):
 class _FakeService:
     def __init__(self, calls: list[str], fail_with: StageError | None = None):
         self.calls, self.fail_with = calls, fail_with
-        self.engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(block_size=16))
+        self.engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(block_size=16, model_path="/models/m"),
+                                      tokenizer=SimpleNamespace(bos_token_id=1),
+                                      runner=SimpleNamespace(block_manager=SimpleNamespace(num_blocks=8,
+                                                                                           num_free_blocks=8)))
         self.core = SimpleNamespace(kv_events=SimpleNamespace(endpoint="ipc:///tmp/fake-kv-events"))
 
     def start(self) -> None:
@@ -202,18 +205,30 @@ def _fake_dynamo(monkeypatch, calls: list[str], failing: str) -> None:
         async def create_endpoint(self, endpoint) -> None:
             step("load endpoint")
 
-    async def register_llm(*args, **kwargs) -> None:
+        def publish(self, *args, **kwargs) -> None:
+            pass
+
+    async def register_llm(model_input, model_type, endpoint, model, *args, **kwargs) -> None:
         step("register")
+        calls.append(f"registered {model} at {endpoint.path}")
 
     class DistributedRuntime:
+        """Serves an endpoint until `shutdown`, as Dynamo's does."""
+
         def __init__(self, loop, *args):
-            pass
+            self.stopped = asyncio.Event()
 
         def shutdown(self) -> None:
-            pass
+            calls.append("runtime shut down")
+            self.stopped.set()
 
         def endpoint(self, path: str):
-            return SimpleNamespace(path=path)
+            async def serve_endpoint(handler, **kwargs) -> None:
+                calls.append(f"serving {path}")
+                await self.stopped.wait()
+                calls.append("drained")
+
+            return SimpleNamespace(path=path, serve_endpoint=serve_endpoint)
 
     flags = SimpleNamespace(Tokens=1, Chat=1, Completions=2, Aggregated=0)
     llm = types.ModuleType("dynamo.llm")
@@ -233,19 +248,20 @@ def _fake_dynamo(monkeypatch, calls: list[str], failing: str) -> None:
 ])
 def test_a_dynamo_step_that_fails_after_the_engine_started_still_shuts_the_engine_down(monkeypatch, failing, undone):
     from omni_backend.launch.dynamo import worker
+    from omni_backend.stages.llm import dynamo_endpoint
 
     calls: list[str] = []
     _fake_dynamo(monkeypatch, calls, failing)
     monkeypatch.setattr(worker, "llm_parameters", lambda options, kv_events: {"kv_events_topic": ""})
     monkeypatch.setattr(worker, "create_service", lambda parameters: _FakeService(calls))
-    monkeypatch.setattr(worker, "runtime_config", lambda service: None)
+    monkeypatch.setattr(dynamo_endpoint, "runtime_config", lambda service: None)
     with pytest.raises(RuntimeError, match=f"{failing}: NATS unreachable"):
         asyncio.run(worker.serve(worker.WorkerOptions("/models/m")))
     assert calls[-len(undone):] == undone, calls
 
 
 def test_a_request_the_engine_fails_is_an_http_error_and_not_logged_as_ended_by_its_caller(monkeypatch, caplog):
-    from omni_backend.launch.dynamo.worker import Handler
+    from omni_backend.stages.llm.dynamo_endpoint import Handler
 
     _fake_dynamo(monkeypatch, [], failing="")
     handler = Handler(_FakeService([], fail_with=StageError(ErrorKind.INTERNAL, "llm failed: boom")))
@@ -259,6 +275,37 @@ def test_a_request_the_engine_fails_is_an_http_error_and_not_logged_as_ended_by_
         asyncio.run(read())
     assert error.value.code == 500
     assert "ended by its caller" not in caplog.text
+
+
+def test_the_llm_stage_serves_its_own_service_on_dynamo_and_stops_it_in_finalize(monkeypatch):
+    """model_repository/llm's glue: with `dynamo_endpoint` the stage's running service is registered from a daemon
+    thread (the same serve_service as the worker's); its stop shuts Dynamo's runtime down, which drains, and the
+    KV-event relay is shut before the stage stops its engine."""
+    from omni_backend.stages.llm import dynamo_endpoint
+
+    calls: list[str] = []
+    _fake_dynamo(monkeypatch, calls, failing="")
+    monkeypatch.setattr(dynamo_endpoint, "runtime_config", lambda service: None)
+    service = _FakeService(calls)
+    assert dynamo_endpoint.serve_stage_on_dynamo(service, {"kv_events": "ipc:///tmp/fake-kv-events"}) is None
+    dynamo = dynamo_endpoint.serve_stage_on_dynamo(service, {"dynamo_endpoint": "omni.llm.generate",
+                                                             "kv_events": "ipc:///tmp/fake-kv-events"})
+    deadline = time.monotonic() + 30
+    while "serving omni.llm.generate" not in calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == ["kv publisher", "load endpoint", "register", "registered /models/m at omni.llm.generate",
+                     "serving omni.llm.generate"]
+    dynamo.stop()
+    assert calls[5:] == ["runtime shut down", "drained", "kv publisher shut down"]
+    assert not dynamo._thread.is_alive()
+
+
+def test_a_stage_dynamo_endpoint_needs_kv_events_that_bind():
+    with pytest.raises(ValueError, match="dynamo_endpoint needs kv_events on an endpoint that binds"):
+        parse_parameters({"model_path": "/models/m", "dynamo_endpoint": "omni.llm.generate",
+                          "kv_events": "tcp://indexer:5557"})
+    with pytest.raises(ValueError, match="dynamo_endpoint"):
+        parse_parameters({"model_path": "/models/m", "dynamo_endpoint": "omni-llm"})
 
 
 def test_outputs_that_wait_for_the_reader_come_as_one_delta_with_every_token_in_order():

@@ -7,16 +7,19 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.stages.llm.build import create_service
+from omni_backend.stages.llm.dynamo_endpoint import serve_stage_on_dynamo
 from omni_backend.stages.llm.triton_io import INPUT_NAMES, serve_request
 from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, string_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.service = create_service(string_parameters(args), pb_utils, args["model_name"], args["model_version"],
+        parameters = string_parameters(args)
+        self.service = create_service(parameters, pb_utils, args["model_name"], args["model_version"],
                                       instance_kind=args.get("model_instance_kind"),
                                       instance_device_id=args.get("model_instance_device_id"))
         self.service.start()
+        self.dynamo = serve_stage_on_dynamo(self.service, parameters)  # None unless dynamo_endpoint is set
         self.retired = Retired()  # response senders, freed a few seconds after their final flag
 
     def execute(self, requests):
@@ -33,4 +36,6 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        if self.dynamo is not None:  # Dynamo drains its requests before the engine's threads stop
+            self.dynamo.stop()
         self.service.shutdown()

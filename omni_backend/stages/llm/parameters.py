@@ -32,6 +32,11 @@ class LLMStageSettings(SettingGroup):
                              forms="empty, or a ZMQ endpoint tcp://HOST:PORT, ipc://PATH or inproc://NAME")
     kv_events_topic: str = setting("", "the topic frame of every KV-event message (llm-d's indexer reads "
                                    "kv@POD@MODEL); empty: none, as vLLM's default")
+    dynamo_endpoint: str = setting("", "also serve this stage's engine as an NVIDIA Dynamo LLM worker at this "
+                                   "endpoint, from inside tritonserver (stages/llm/dynamo_endpoint.py; etcd and NATS "
+                                   "from ETCD_ENDPOINTS / NATS_SERVER; needs kv_events on an endpoint that binds, "
+                                   "e.g. ipc://PATH); empty: off", pattern=r"([\w-]+\.[\w-]+\.[\w-]+)?",
+                                   forms="empty, or NAMESPACE.COMPONENT.ENDPOINT")
 
 
 SETTING_GROUPS: tuple[tuple[type, str], ...] = (
@@ -62,16 +67,22 @@ def parse_parameters(parameters: dict[str, str], instance_kind: str | None = Non
     """The llm model's string parameters (`triton_glue.string_parameters`) for the instance Triton describes.
 
     Raises:
-        ValueError: a key no setting declares, a malformed value, or a device that contradicts the instance
-            (`place_instance`).
+        ValueError: a key no setting declares, a malformed value, a device that contradicts the instance
+            (`place_instance`), or a `dynamo_endpoint` without `kv_events` that binds.
     """
     unknown = sorted(set(parameters) - set(parameter_keys()))
     if unknown:
         raise ValueError(f"unknown llm parameter(s): {', '.join(unknown)}; known: {', '.join(parameter_keys())}")
     engine = EngineConfig.from_strings(parameters)
+    stage = LLMStageSettings.from_strings(parameters)
+    if stage.dynamo_endpoint:
+        from omni_backend.ops.kv_event_stream import binds  # pyzmq only for those who ask
+
+        if not stage.kv_events or not binds(stage.kv_events):
+            raise ValueError(f"dynamo_endpoint needs kv_events on an endpoint that binds (ipc://PATH or "
+                             f"tcp://*:PORT) for Dynamo's relay to subscribe to, got {stage.kv_events!r}")
     device, index = place_instance(engine.device, instance_kind, instance_device_id, resolve)
-    return StageParameters(dataclasses.replace(engine, device=device),
-                           LLMStageSettings.from_strings(parameters),
+    return StageParameters(dataclasses.replace(engine, device=device), stage,
                            GovernorConfig.from_strings(parameters, GovernorConfig.PREFIX), index)
 
 

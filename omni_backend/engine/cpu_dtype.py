@@ -9,12 +9,14 @@ What is timed: one decoder layer's four projections (fused qkv, o, fused gate/up
 weights), the matmuls that make up most of a decode step, at batch 1 and at the engine's max_num_seqs, for each
 path this machine has (`PATHS`): the C++ float32 panels, the C++ bfloat16 panels (AMX, vdpbf16ps or FMA;
 kernels/linear_cpu.py) and oneDNN's packed bfloat16 weights (engine/cpu_linear.py). A path's score is the
-geometric mean of its two times, so both ends of the served batch range count equally; the lowest wins. A few
-dozen calls in all: well under a second for SmolLM2-135M on one core.
+geometric mean of its two times, so both ends of the served batch range count equally; the lowest wins. The paths
+take turns over ROUNDS rounds and each keeps its fastest round, so a burst of load from another process on a shared
+machine slows one round of every path rather than one path. About a hundred calls in all: a second or two for
+SmolLM2-135M on one core.
 
 The choice is cached in ``<cache>/cpu_dtype.json`` under a key of the CPU model name, its feature flags, the torch
-version, the C++ kernels' build (their library's file name, whose hash covers the sources, compiler and flags: a
-kernel change is measured again), the layer sizes, the batch and the thread count, so later starts read it; `choose`
+version, the C++ kernels' build (their library's file name, whose hash covers the sources, compiler and flags, and
+the bfloat16 kernel the library chose at load: a kernel change is measured again), the layer sizes, the batch and the thread count, so later starts read it; `choose`
 logs it either way.
 An explicit dtype never comes here (`ModelRunner`).
 """
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_library import CpuKernelUnavailable, build_library, cpu_features
+from kernels.cpu_library import CpuKernelUnavailable, cpu_features
 from kernels.linear_cpu import CpuLinearKernels
 from omni_backend import checkpoints
 from omni_backend.engine import cpu_linear
@@ -44,6 +46,7 @@ PATHS = ("float32", "bfloat16", "bfloat16-onednn")
 CACHE_FILE = "cpu_dtype.json"
 MIN_SECONDS = 0.02  # per path and batch: calls repeat until this much time has passed (at least MIN_CALLS)
 MIN_CALLS = 3
+ROUNDS = 3  # interleaved rounds over the paths; each path's time is its fastest round's
 
 
 @dataclass(frozen=True)
@@ -145,21 +148,25 @@ def measure(shape: LayerShape, batches: tuple[int, ...], build_dir: Path) -> dic
     widest = max(k for _, k in shape.weights())
     seconds: dict[str, dict[int, float]] = {path: {} for path in runs}
     with torch.inference_mode():
-        for batch in batches:
-            x = torch.randn(batch, widest, generator=gen)
-            inputs = {path: x.bfloat16() if path == "bfloat16-onednn" else x for path in runs}
-            for path, run in runs.items():
-                seconds[path][batch] = _time(lambda: run(inputs[path]))
+        for _ in range(ROUNDS):
+            for batch in batches:
+                x = torch.randn(batch, widest, generator=gen)
+                inputs = {path: x.bfloat16() if path == "bfloat16-onednn" else x for path in runs}
+                for path, run in runs.items():
+                    t = _time(lambda: run(inputs[path]))  # noqa: B023 (called here, before the loop moves on)
+                    seconds[path][batch] = min(t, seconds[path].get(batch, math.inf))
     return seconds
 
 
 def kernels_build(build_dir: Path) -> str:
-    """The C++ linear kernels' library file name in `build_dir` (built if missing; its hash covers the sources,
-    headers, compiler, flags and CPU), or "unavailable" where they cannot be built."""
+    """The C++ linear kernels' build in `build_dir`: their library's file name (built if missing; its hash covers the
+    sources, headers, compiler, flags and CPU) and the bfloat16 kernel it runs here (AMX, vdpbf16ps or FMA: chosen by
+    the library at load, `CpuLinearKernels.bf16_kernel`), or "unavailable" where they cannot be built."""
     try:
-        return build_library(CpuLinearKernels.SOURCE, build_dir, CpuLinearKernels.FLAGS).name
+        linear = CpuLinearKernels(build_dir)
     except CpuKernelUnavailable:
         return "unavailable"
+    return f"{linear.path.name} {linear.bf16_kernel}"
 
 
 def cache_key(shape: LayerShape, batches: tuple[int, ...], kernels: str) -> str:

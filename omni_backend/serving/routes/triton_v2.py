@@ -11,7 +11,8 @@ Fixed on the way through (Triton 2.51 defects):
   parses them: Triton's JSON parser casts an INT32 value of 4294967304 to 8 and serves it, and answers a string
   where a number belongs with 500 "Unable to parse 'data'". Here every input gets its datatype's range
   (`vocabulary.tensor_value_problem`), and a generation setting also SamplingParams' range
-  (`vocabulary.SAMPLING_FIELDS`): a 400 naming the input and what it takes.
+  (`vocabulary.SAMPLING_FIELDS`): a 400 naming the input and what it takes. An input of fixed dims must hold
+  that many values (`[[]]` for a one-value input is Triton's 500 "Shape does not match true shape").
 - `POST /v2/models/<m>/infer` on a decoupled model (or an ensemble holding one) answers 501 with a message that
   does not say what to do instead; here it is a 400 that names the ways that work.
 - `POST /v2/models/<m>/generate` answers an error with HTTP 200 when the model sends several responses (e.g.
@@ -24,6 +25,7 @@ Bodies may be gzip/deflate-compressed (`Content-Encoding`); they are forwarded d
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Annotated
 
@@ -231,7 +233,11 @@ async def _check_generate_body(door: FrontDoor, model: str, body: bytes) -> None
             continue
         datatype = spec["data_type"].removeprefix("TYPE_").replace("STRING", "BYTES")
         setting = BY_TENSOR.get(name)
-        for value in _elements(values[name]):
+        elements = _elements(values[name])
+        dims = [int(d) for d in spec.get("dims", [])]
+        if all(d >= 0 for d in dims) and len(elements) != math.prod(dims):  # Triton: 500 "Shape does not match"
+            raise errors.invalid(f"{name} takes {math.prod(dims)} value(s), got {len(elements)}", name)
+        for value in elements:
             problem = setting.problem(value) if setting is not None else tensor_value_problem(datatype, value)
             if problem is not None:
                 raise errors.invalid(f"{name} {problem}", name)

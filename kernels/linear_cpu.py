@@ -11,9 +11,11 @@ in docs/benchmarks.md ("The CPU step"); the kernels' schemes are in the .cpp fil
 Contract (``CpuLinearKernels.linear``): x float32 ``[M, K]`` on the CPU with unit stride in K; the weight packed by
 ``pack``; bias float32 ``[N]`` or None; out float32 ``[M, N]`` with unit stride in N (allocated when None). With
 ``accumulate`` the product is added to ``out``'s values (a fused residual add). Each output is one fp32 sum in k
-order (int8: of ``x * w``, w = q * s + m dequantized in float32; bfloat16: of ``bf16(x) * bf16(W)``, two products
-per step, vdpbf16ps's rounding), then the bias, whatever the number of rows: a row's result does not depend on the
-rest of the batch. Threads: the work is split over the calling thread's OpenMP team (torch's), with the GIL
+order (int8 without VNNI: of ``x * w``, w = q * s + m dequantized in float32; bfloat16: of ``bf16(x) * bf16(W)``, two
+products per step, vdpbf16ps's rounding), or for int8 with VNNI (``int8_kernel``) exact integer sums per group of 32
+of the codes times x quantized per row and group to 15 bits (c = round(x * 16256 / max|x|)), each group's sum
+scaled and added in float32 in group order; then the bias, whatever the number of rows: a row's result does not
+depend on the rest of the batch. Threads: the work is split over the calling thread's OpenMP team (torch's), with the GIL
 released.
 
 int8 quantisation (``pack(weight, "int8")``): asymmetric, per group of ``INT8_GROUP`` = 32 consecutive inputs of
@@ -71,6 +73,8 @@ _INT8_SOURCE = Path(__file__).with_name("linear_int8.cpp")
 _INT8_SIGNATURES = {
     "linear_i8_group": ([], _I64),
     "linear_i8_panel_width": ([], _I64),
+    "linear_i8_k_interleave": ([], _I64),
+    "linear_i8_kernel": ([], _I64),
     "linear_pack_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "linear_i8": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], None),
 }
@@ -81,8 +85,9 @@ class PackedWeight:
     """A ``[out_features, in_features]`` weight in the kernel's layout.
 
     Attributes:
-        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 or uint8 int8 codes (NR: the kernel's
-            panel width), or
+        panels: ``[ceil(out_features / NR), in_features, NR]`` float32 (NR: the kernel's panel width); uint8
+            int8 codes ``[ceil(out_features / NR), K', NR]``, per panel ``[K'][NR]`` (K' = in_features) for the
+            FMA int8 kernel or ``[K' / 4][NR][4]`` (K' = in_features rounded up to 4) for the VNNI ones; or
             ``[ceil(out_features / NR), P, NR, 2]`` bfloat16 (P pairs of k, see the module docstring); zero-padded.
         scales: the int8 codes' ``[ceil(out_features / NR), ceil(in_features / 32), 2, NR]`` float32 group
             parameters (per panel and group of 32 inputs: the scales, then the minimums, of the panel's columns);
@@ -115,6 +120,9 @@ class CpuLinearKernels(CpuLibrary):
             the process its tile state), "avx512_bf16" (vdpbf16ps), "avx512_fma" (each pair widened to float32,
             FMAs: chosen without AMX where the FMA loop runs at least 1.5x vdpbf16ps's FLOP rate, measured once per
             process) or None (this CPU, or build, has none of them).
+        int8_kernel: what runs the int8 codes: "avx512_vnni" or "avx_vnni" (integer dot products, activations
+            quantized to 15 bits per group of 32, see linear_int8.cpp) or "fma" (weights dequantized to float32,
+            FMAs: CPUs without VNNI).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
@@ -133,6 +141,8 @@ class CpuLinearKernels(CpuLibrary):
         if int8_layout != (INT8_GROUP, self.panel_width):
             raise CpuKernelUnavailable(f"{_INT8_SOURCE.name} has groups and panels of {int8_layout}, this wrapper "
                                        f"{(INT8_GROUP, self.panel_width)}")
+        self._int8_interleave = int(self._fn["linear_i8_k_interleave"]())
+        self.int8_kernel = {0: "fma", 1: "avx512_vnni", 2: "avx_vnni"}[int(self._fn["linear_i8_kernel"]())]
         self.bf16_kernel = {2: "amx", 1: "avx512_bf16", 3: "avx512_fma"}.get(int(self._fn["linear_bf16_kernel"]()))
 
     def _int8_params_shape(self, n: int, k: int) -> tuple[int, ...]:
@@ -141,6 +151,9 @@ class CpuLinearKernels(CpuLibrary):
     def _shape(self, weight_format: str, n: int, k: int) -> tuple[int, ...]:
         if weight_format == "bfloat16":
             return (-(-n // self.panel_width), int(self._fn["linear_bf16_pairs"](k)), self.panel_width, 2)
+        if weight_format == "int8":
+            return (-(-n // self.panel_width), -(-k // self._int8_interleave) * self._int8_interleave,
+                    self.panel_width)
         return (-(-n // self.panel_width), k, self.panel_width)
 
     def pack(self, weight: torch.Tensor, weight_format: str) -> PackedWeight:
@@ -197,15 +210,21 @@ class CpuLinearKernels(CpuLibrary):
         n, k = packed.out_features, packed.in_features
         if packed.panels.dim() == 4:  # bfloat16 pairs: [panels, k / 2, NR, 2] -> [panels * NR, k / 2 * 2]
             return packed.panels.permute(0, 2, 1, 3).reshape(-1, packed.panels.shape[1] * 2)[:n, :k].float()
-        weight = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
         if packed.scales is None:
-            return weight
+            return packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
+        weight = self.int8_codes(packed).float()
         # [panels, groups, 2, NR] -> per row and input: scale, minimum; q * s is exact in float64 (8 + 24
         # significant bits), so rounding q * s + m to float32 from there is the fused multiply-add's one rounding
         # but where the float64 sum itself rounded onto a float32 tie
         params = packed.scales.permute(0, 3, 1, 2).reshape(-1, packed.scales.shape[1], 2)[:n].double()
         params = params.repeat_interleave(INT8_GROUP, dim=1)[:, :k]
         return (weight.double() * params[..., 0] + params[..., 1]).float()
+
+    def int8_codes(self, packed: PackedWeight) -> torch.Tensor:
+        """The int8 weight's codes as a uint8 ``[N, K]`` matrix, from this build's panel layout."""
+        panels, kq = packed.panels, self._int8_interleave
+        codes = panels.view(panels.shape[0], panels.shape[1] // kq, self.panel_width, kq).permute(0, 2, 1, 3)
+        return codes.reshape(-1, panels.shape[1])[: packed.out_features, : packed.in_features]
 
     def linear(self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:

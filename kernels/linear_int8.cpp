@@ -10,11 +10,18 @@
 // The C ABI below is called through ctypes by kernels/linear_cpu.py (its "int8" format), which documents the
 // contract; this file holds only the arithmetic.
 //
-// Layout: the codes in column panels of NR = 2 * VEC output channels, [ceil(N / NR)][K][NR] (the float32 panels'
-// layout of linear_cpu.cpp, one byte a weight), and per panel its groups' parameters [ceil(K / 32)][2][NR]
-// (scales, then minimums; the last group may be shorter than 32; padding columns have s = m = 0).
+// Layout: the codes in column panels of NR = 2 * VEC output channels, [ceil(N / NR)][K'][NR] bytes, and per panel
+// its groups' parameters [ceil(K / 32)][2][NR] (scales, then minimums; the last group may be shorter than 32;
+// padding columns have s = m = 0). Within a panel the codes are [K][NR] (the float32 panels' layout of
+// linear_cpu.cpp, K' = K) for the FMA microkernel, [ceil(K / 4)][NR][4] (K' = K rounded up to 4, zero codes past K)
+// for the VNNI one; linear_i8_k_interleave() says which (1 or 4).
 //
-// Microkernel: the float32 tile of linear_cpu.cpp with the weights dequantized in registers: per k, two loads of
+// Two microkernels, chosen by the build's flags (linear_i8_kernel()): where the CPU has AVX512-VNNI with AVX512-BW,
+// or AVX-VNNI, integer dot products with the activations quantized to 15 bits per group (int8_vnni.h; outputs
+// differ from the float32 sum by that quantization, relative ~1e-4); elsewhere (AVX2 only, Arm) the FMA tile below,
+// float32 throughout. Both are batch-invariant.
+//
+// FMA microkernel: the float32 tile of linear_cpu.cpp with the weights dequantized in registers: per k, two loads of
 // NR codes widened to float32, w = q * s + m (one fused multiply-add, the group's s and m held in registers), then
 // R broadcasts of x and 2 R fused multiply-adds; every row of the tile reuses the dequantized vectors. Each output is
 // one float32 sum in k order of x * w, w the same float32 value whatever the batch, so a row's result does not
@@ -28,12 +35,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_simd.h"
 #include "cpu_tiles.h"
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+#define OMNI_INT8_VNNI 1
+#include "int8_vnni.h"
+#endif
+
 namespace {
 
+#if defined(OMNI_INT8_VNNI)
+namespace vnni = omni::vnni;
+#endif
 using omni::load_vec;
 using omni::splat;
 using omni::vf;
@@ -44,6 +60,18 @@ using omni::NR;
 using omni::panels_per_tile;
 using omni::write_tile;
 constexpr int64_t GROUP = 32;
+#if defined(OMNI_INT8_VNNI)
+constexpr int64_t K_INTERLEAVE = 4;
+static_assert(GROUP == vnni::GROUP);
+#else
+constexpr int64_t K_INTERLEAVE = 1;
+#endif
+
+// Codes per panel row block: K rounded up to K_INTERLEAVE; the code of input k, channel c within a panel.
+inline int64_t padded_k(int64_t K) { return (K + K_INTERLEAVE - 1) / K_INTERLEAVE * K_INTERLEAVE; }
+inline int64_t code_index(int64_t k, int c) {
+  return (k / K_INTERLEAVE * NR + c) * K_INTERLEAVE + k % K_INTERLEAVE;
+}
 
 // The float32 weights VEC codes stand for: q * s + m, one rounding where the CPU fuses multiply-adds (the same
 // expression everywhere, so every tile gets the same w).
@@ -110,16 +138,53 @@ struct Grid {
 };
 
 // Quantize n weights (one group of a row) onto the grid (s, m): q = round((w - m) / s) in [0, 255] (0 where
-// s = 0), written to q[i * stride]; returns the grid with its largest error, dequantized as the kernel does.
-Grid quantize_group(const float* w, int64_t n, float s, float m, uint8_t* q, int64_t stride) {
+// s = 0), written to q[i]; returns the grid with its largest error, dequantized as the kernel does.
+Grid quantize_group(const float* w, int64_t n, float s, float m, uint8_t* q) {
   if (!(s > 0.0f)) s = 0.0f;
   float error = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float code = s > 0.0f ? std::min(255.0f, std::max(0.0f, std::nearbyint((w[i] - m) / s))) : 0.0f;
-    q[i * stride] = static_cast<uint8_t>(code);
+    q[i] = static_cast<uint8_t>(code);
     error = std::max(error, std::fabs(std::fma(code, s, m) - w[i]));
   }
   return {s, m, error};
+}
+
+
+// Calls run(m, rows, p, wide, ahead, ahead_lines) for every tile of an M-row product over `panels` panels of
+// `panel_bytes` codes: the panels in units (of `group` panels each while they last, then single ones) split over
+// the OpenMP team; a batch of fewer than `wide_below` rows runs one wide tile per unit (wide = true), a larger one
+// tiles of at most `mr` rows. Each tile is told the next unit's codes (its share of their cache lines) to prefetch
+// into L2 while it runs, when there are several tiles per unit or the batch has 1-2 rows (the weights stream from
+// memory; measured in linear_cpu.cpp's `run`).
+template <class Run>
+void for_each_tile(int64_t M, int64_t panels, int64_t panel_bytes, const uint8_t* packed, int64_t wide_below,
+                   int64_t mr, int group, const Run& run) {
+  const uint8_t* const packed_end = packed + panels * panel_bytes;
+  const int64_t num_tiles = M < wide_below ? 1 : (M + mr - 1) / mr;
+  const bool prefetch = num_tiles > 1 || M <= 2;
+  const int64_t grouped_units = group > 1 ? panels / group : 0;
+  const int64_t units = grouped_units + (panels - grouped_units * group);
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < units; ++u) {
+    const bool grouped = u < grouped_units;
+    const int64_t p = grouped ? u * group : grouped_units * group + (u - grouped_units);  // the unit's first panel
+    const int64_t unit_panels = grouped ? group : 1;
+    const char* next = reinterpret_cast<const char*>(packed + (p + unit_panels) * panel_bytes);
+    const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes,
+                                                            reinterpret_cast<const char*>(packed_end) - next) : 0;
+    const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
+    if (M < wide_below) {
+      run(0, static_cast<int>(M), p, grouped, next, next_lines);
+      continue;
+    }
+    const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
+    for (int64_t m = 0, t = 0; m < M; m += mr, ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(mr, M - m));
+      const int64_t from = std::min(t * share, next_lines);
+      run(m, rows, p, false, next + from * 64, std::min(share, next_lines - from));
+    }
+  }
 }
 
 }  // namespace
@@ -129,14 +194,28 @@ extern "C" {
 // Inputs per group of one scale and minimum, and output channels per panel (linear_cpu.cpp's, by the same flags).
 int64_t linear_i8_group() { return GROUP; }
 int64_t linear_i8_panel_width() { return NR; }
+// Consecutive inputs of one channel stored together in a panel (1: [K][NR], 4: [ceil(K / 4)][NR][4]).
+int64_t linear_i8_k_interleave() { return K_INTERLEAVE; }
+// The microkernel: 0 float32 FMAs on dequantized weights, 1 AVX512-VNNI, 2 AVX-VNNI (256-bit).
+int64_t linear_i8_kernel() {
+#if defined(OMNI_INT8_VNNI) && defined(__AVX512F__)
+  return 1;
+#elif defined(OMNI_INT8_VNNI)
+  return 2;
+#else
+  return 0;
+#endif
+}
 
-// w [N, K] float32 (row stride ldw) -> codes [ceil(N / NR)][K][NR] uint8 and params [ceil(N / NR)][ceil(K / 32)][2]
-// [NR] float32 (see the file comment). A constant group gets s = 0, q = 0 (w = m exactly).
+// w [N, K] float32 (row stride ldw) -> codes [ceil(N / NR)][K'][NR] uint8 (K' and the order within a panel as the
+// file comment says) and params [ceil(N / NR)][ceil(K / 32)][2][NR] float32. A constant group gets s = 0, q = 0
+// (w = m exactly).
 void linear_pack_i8(const float* w, int64_t N, int64_t K, int64_t ldw, uint8_t* packed, float* params) {
-  const int64_t panels = (N + NR - 1) / NR, groups = (K + GROUP - 1) / GROUP;
+  const int64_t panels = (N + NR - 1) / NR, groups = (K + GROUP - 1) / GROUP, panel_bytes = padded_k(K) * NR;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
-    uint8_t* codes = packed + p * K * NR;
+    uint8_t* codes = packed + p * panel_bytes;
+    std::fill(codes, codes + panel_bytes, uint8_t{0});
     for (int64_t g = 0; g < groups; ++g) {
       float* scale = params + (p * groups + g) * 2 * NR;
       float* low = scale + NR;
@@ -144,23 +223,20 @@ void linear_pack_i8(const float* w, int64_t N, int64_t K, int64_t ldw, uint8_t* 
       for (int c = 0; c < NR; ++c) {
         const int64_t n = p * NR + c;
         scale[c] = low[c] = 0.0f;
-        if (n >= N) {
-          for (int64_t k = k0; k < k1; ++k) codes[k * NR + c] = 0;
-          continue;
-        }
+        if (n >= N) continue;
         const float* row = w + n * ldw;
         float lo = row[k0], hi = row[k0];
         for (int64_t k = k0 + 1; k < k1; ++k) lo = std::min(lo, row[k]), hi = std::max(hi, row[k]);
         // the two grids (see the file comment): min/max, then centred; the centred one only where it is closer
-        const Grid spread = quantize_group(row + k0, k1 - k0, (hi - lo) / 255.0f, lo, codes + k0 * NR + c, NR);
+        uint8_t spread_codes[GROUP], centred_codes[GROUP];
+        const Grid spread = quantize_group(row + k0, k1 - k0, (hi - lo) / 255.0f, lo, spread_codes);
         const float centred_scale = std::max(hi, -lo) / 127.0f;
-        uint8_t centred[GROUP];
-        const Grid centre = quantize_group(row + k0, k1 - k0, centred_scale, -128.0f * centred_scale, centred, 1);
-        const Grid& best = centre.error < spread.error ? centre : spread;
+        const Grid centre = quantize_group(row + k0, k1 - k0, centred_scale, -128.0f * centred_scale, centred_codes);
+        const bool centred = centre.error < spread.error;
+        const Grid& best = centred ? centre : spread;
         scale[c] = best.scale;
         low[c] = best.low;
-        if (&best == &centre)
-          for (int64_t k = k0; k < k1; ++k) codes[k * NR + c] = centred[k - k0];
+        for (int64_t k = k0; k < k1; ++k) codes[code_index(k, c)] = (centred ? centred_codes : spread_codes)[k - k0];
       }
     }
   }
@@ -171,41 +247,31 @@ void linear_pack_i8(const float* w, int64_t N, int64_t K, int64_t ldw, uint8_t* 
 void linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, const float* params,
                int64_t N, const float* bias, float* y, int64_t ldy, int64_t accumulate) {
   if (M <= 0) return;
-  const int64_t panels = (N + NR - 1) / NR, groups = (K + GROUP - 1) / GROUP;
-  const int64_t panel_bytes = K * NR;
-  const uint8_t* const packed_end = packed + panels * panel_bytes;
-  const int64_t num_tiles = M < 4 ? 1 : (M + MR - 1) / MR;
-  const bool prefetch = num_tiles > 1 || M <= 2;
-  const int group = panels_per_tile(M);
-  const int64_t grouped_units = group > 1 ? panels / group : 0;
-  const int64_t units = grouped_units + (panels - grouped_units * group);
-#pragma omp parallel for schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const bool grouped = u < grouped_units;
-    const int64_t p = grouped ? u * group : grouped_units * group + (u - grouped_units);  // the unit's first panel
-    const int64_t unit_panels = grouped ? group : 1;
-    const uint8_t* panel = packed + p * panel_bytes;
-    const char* next = reinterpret_cast<const char*>(panel + unit_panels * panel_bytes);
-    const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes,
-                                                            reinterpret_cast<const char*>(packed_end) - next) : 0;
-    const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
-    const float* unit_params = params + p * groups * 2 * NR;
-    const float* b = bias ? bias + p * NR : nullptr;
-    const int64_t n_left = N - p * NR;
-    if (M < 4) {
-      (grouped ? wide_tiles : tiles)[M](x, ldx, panel, unit_params, K, groups, y + p * NR, ldy, n_left, b,
-                                         accumulate != 0, next, next_lines);
-      continue;
-    }
-    const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
-    for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-      const int64_t from = std::min(t * share, next_lines);
-      const int64_t lines = std::min(share, next_lines - from);
-      tiles[rows](x + m * ldx, ldx, panel, unit_params, K, groups, y + m * ldy + p * NR, ldy, n_left, b,
-                  accumulate != 0, next + from * 64, lines);
-    }
-  }
+  const int64_t panels = (N + NR - 1) / NR, groups = (K + GROUP - 1) / GROUP, panel_bytes = padded_k(K) * NR;
+  const bool add = accumulate != 0;
+#if defined(OMNI_INT8_VNNI)
+  // the rows' quantized activations, in a buffer the calling thread keeps between calls
+  static thread_local std::vector<vnni::Group> quantized;
+  if (static_cast<int64_t>(quantized.size()) < M * groups) quantized.resize(M * groups);
+  vnni::Group* const xq = quantized.data();
+#pragma omp parallel for schedule(static) if (M >= 16)
+  for (int64_t r = 0; r < M; ++r) vnni::quantize_row(x + r * ldx, K, xq + r * groups, groups);
+  const int64_t K4 = padded_k(K) / 4;
+  for_each_tile(M, panels, panel_bytes, packed, vnni::MR, vnni::MR, vnni::panels_per_tile(M),
+                [&](int64_t m, int rows, int64_t p, bool wide, const char* ahead, int64_t lines) {
+                  (wide ? vnni::wide_tiles : vnni::tiles)[rows](
+                      xq + m * groups, packed + p * panel_bytes, params + p * groups * 2 * NR, K4, groups,
+                      y + m * ldy + p * NR, ldy, N - p * NR, bias ? bias + p * NR : nullptr, add, ahead, lines);
+                });
+#else
+  for_each_tile(M, panels, panel_bytes, packed, 4, MR, panels_per_tile(M),
+                [&](int64_t m, int rows, int64_t p, bool wide, const char* ahead, int64_t lines) {
+                  (wide ? wide_tiles : tiles)[rows](x + m * ldx, ldx, packed + p * panel_bytes,
+                                                    params + p * groups * 2 * NR, K, groups, y + m * ldy + p * NR,
+                                                    ldy, N - p * NR, bias ? bias + p * NR : nullptr, add, ahead,
+                                                    lines);
+                });
+#endif
 }
 
 }  // extern "C"

@@ -1,7 +1,9 @@
 """The C++ CPU linear kernels (float32 panels, weight-only int8 codes with group scales and minimums, bfloat16
 panels) against float64 matrix products, with the
 rounding-error bound of a float32 sum of K products (Higham, "Accuracy and Stability of Numerical Algorithms",
-2nd ed., section 3.1: |error| <= gamma_K * sum_k |x_k w_k|, gamma_K = K u / (1 - K u), u = 2^-24)."""
+2nd ed., section 3.1: |error| <= gamma_K * sum_k |x_k w_k|, gamma_K = K u / (1 - K u), u = 2^-24). The int8 VNNI
+kernels quantize x to 15 bits per group of 32: against a float64 model of that quantization, with the bound of
+their per-group float32 roundings, and against the float64 product within the quantization's half step."""
 
 import os
 import platform
@@ -19,17 +21,32 @@ X86 = platform.machine() in ("x86_64", "AMD64", "i686")
 UNIT_ROUNDOFF = 2.0 ** -24
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+# builds besides the native one: without AVX2/AVX-512 (the generic vector code that CPUs without them, and Arm,
+# run; int8 on FMAs) and, on CPUs with AVX-VNNI, without AVX-512 (AVX2 tiles, the 256-bit VNNI int8 kernel)
+EXTRA_BUILDS = {"portable": ["-mno-avx2", "-mno-avx512f"], "avx_vnni": ["-mno-avx512f"]}
+
+
+@pytest.fixture(scope="module", params=["native", *EXTRA_BUILDS])
 def kernels(request, tmp_path_factory):
-    """The kernel as the engine builds it and (x86) built without AVX2/AVX-512: the generic vector code that CPUs
-    without them (and Arm) run."""
-    if request.param == "portable":
+    """The kernel as the engine builds it, and the EXTRA_BUILDS where this CPU can run them."""
+    if request.param != "native":
         if not X86:
-            pytest.skip("the portable build is what non-x86 machines run already")
+            pytest.skip("the other builds are x86 variants")
+        if request.param == "avx_vnni" and "avx_vnni" not in cpu_features().split():
+            pytest.skip("this CPU has no AVX-VNNI")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + ["-mno-avx2", "-mno-avx512f"])
-            return CpuLinearKernels(tmp_path_factory.mktemp("linear_portable"))
-    return CpuLinearKernels(tmp_path_factory.mktemp("linear"))
+            patch.setattr(CpuLinearKernels, "FLAGS", CpuLinearKernels.FLAGS + EXTRA_BUILDS[request.param])
+            built = CpuLinearKernels(tmp_path_factory.mktemp(f"linear_{request.param}"))
+    else:
+        built = CpuLinearKernels(tmp_path_factory.mktemp("linear"))
+    built.build = request.param
+    return built
+
+
+def test_int8_kernel_is_the_cpus(kernels):
+    flags = set(cpu_features().split())
+    native = "avx512_vnni" if {"avx512_vnni", "avx512bw"} <= flags else "avx_vnni" if "avx_vnni" in flags else "fma"
+    assert kernels.int8_kernel == {"native": native, "portable": "fma", "avx_vnni": "avx_vnni"}[kernels.build]
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, extra_roundings: int = 0) -> torch.Tensor:
@@ -57,13 +74,71 @@ def test_float32_panels_match_float64(kernels, m, n, k):
                    _bound(x, w, 1) + bias.double().abs() * UNIT_ROUNDOFF)
 
 
+def _group_params(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight's scale s and minimum m per output and group, [N, G] float32 each."""
+    params = packed.scales.permute(0, 3, 1, 2).reshape(-1, packed.scales.shape[1], 2)[: packed.out_features]
+    return params[..., 0], params[..., 1]
+
+
 def _codes_and_params(kernels, packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The int8 weight's codes q [N, K] and per-input scale s and minimum m [N, K] (float32), read from its layout."""
-    n, k = packed.out_features, packed.in_features
-    codes = packed.panels.permute(0, 2, 1).reshape(-1, k)[:n].float()
-    params = packed.scales.permute(0, 3, 1, 2).reshape(-1, packed.scales.shape[1], 2)[:n]
-    params = params.repeat_interleave(INT8_GROUP, dim=1)[:, :k]
-    return codes, params[..., 0], params[..., 1]
+    k = packed.in_features
+    scale, low = (p.repeat_interleave(INT8_GROUP, dim=1)[:, :k] for p in _group_params(packed))
+    return kernels.int8_codes(packed).float(), scale, low
+
+
+VNNI_TOP = 16256  # int8_vnni.h's TOP: 127 * 128, the largest 15-bit activation code
+
+
+def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the VNNI kernels quantize it: codes c [M, G, 32] (float64, zero past K) and scales s_a [M, G]
+    (float64 of the float32 values): c = round_half_even(fl32(x * fl32(16256 / max|x|))), s_a = fl32(max|x| / 16256)
+    per row and group of 32."""
+    m, k = x.shape
+    groups = -(-k // INT8_GROUP)
+    padded = torch.nn.functional.pad(x, (0, groups * INT8_GROUP - k)).view(m, groups, INT8_GROUP)
+    top = padded.abs().amax(-1, keepdim=True)
+    # tensor by tensor: torch divides by a Python number as a multiplication by its reciprocal (not IEEE division)
+    full_top = torch.full_like(top, VNNI_TOP)
+    inv = torch.where(top > 0, full_top / top, torch.zeros_like(top))
+    codes = torch.round(padded * inv).clamp(-VNNI_TOP, VNNI_TOP)
+    return codes.double(), (top / full_top)[..., 0].double()
+
+
+def _int8_product(kernels, x: torch.Tensor, packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """What this build's int8 kernel computes for x @ W.T in float64, and the bound on its float32 rounding error.
+    FMA kernel: x @ deq.T, a float32 sum of K + 1 roundings (each weight dequantized once). VNNI kernels:
+    sum_g s_a (s_w dot_g + m_w sum_g c) with dot_g = sum q c exact; per group the roundings of dot to float32, of
+    s_w dot, m_w sum c, their sum, the product with s_a, and the accumulation over G groups: gamma_(G+5) times
+    sum_g |s_a| (|s_w dot_g| + |m_w sum_g c|)."""
+    deq = kernels.dequantize(packed)
+    if kernels.int8_kernel == "fma":
+        return x.double() @ deq.double().T, _bound(x, deq, 1)
+    codes, s_a = _quantized_activations(x)
+    groups = codes.shape[1]
+    q = torch.nn.functional.pad(kernels.int8_codes(packed).double(), (0, groups * INT8_GROUP - x.shape[1]))
+    dot = torch.einsum("mgk,ngk->mng", codes, q.view(q.shape[0], groups, INT8_GROUP))
+    s_w, m_w = (p.double() for p in _group_params(packed))
+    sums = codes.sum(-1)[:, None, :]
+    want = (s_a[:, None, :] * (s_w * dot + m_w * sums)).sum(-1)
+    gamma = (groups + 5) * UNIT_ROUNDOFF / (1 - (groups + 5) * UNIT_ROUNDOFF)
+    magnitude = (s_a[:, None, :] * ((s_w * dot).abs() + (m_w * sums).abs())).sum(-1)
+    return want, gamma * magnitude + 1e-30
+
+
+def _assert_int8_product(kernels, got: torch.Tensor, x: torch.Tensor, packed: PackedWeight) -> None:
+    """got = x @ W.T by this build's int8 kernel: within its rounding bound of what it computes and, for VNNI, of
+    the float64 product of x and the dequantized weights within the activations' half quantization step
+    (|x - c s_a| <= s_a / 2, plus 1e-3 of a step for the roundings of x * 16256 / max|x| and of s_a)."""
+    want, bound = _int8_product(kernels, x, packed)
+    _assert_within(got, want, bound)
+    if kernels.int8_kernel != "fma":
+        deq = kernels.dequantize(packed).double()
+        codes, s_a = _quantized_activations(x)
+        assert bool(((codes.flatten(1)[:, : x.shape[1]] * s_a.repeat_interleave(INT8_GROUP, 1)[:, : x.shape[1]]
+                      - x.double()).abs() <= s_a.repeat_interleave(INT8_GROUP, 1)[:, : x.shape[1]] * 0.501).all())
+        step = s_a.repeat_interleave(INT8_GROUP, 1)[:, : x.shape[1]] * (0.5 + 1e-3)
+        _assert_within(got, x.double() @ deq.T, bound + step @ deq.abs().T)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 13, 32, 33])
@@ -94,8 +169,7 @@ def test_int8_codes_quantize_per_group_and_match_float64(kernels, m, n, k):
     assert torch.equal(deq, (codes.double() * scale.double() + low.double()).float())
     # round to nearest: |W - (q s + m)| <= s / 2, plus the roundings of (W - m) / s (in units of s) and of q s + m
     assert bool(((deq - w).abs() <= scale * (0.5 + 1e-4) + w.abs() * 4 * UNIT_ROUNDOFF).all())
-    want = x.double() @ deq.double().T
-    _assert_within(kernels.linear(x, packed), want, _bound(x, deq, 1))
+    _assert_int8_product(kernels, kernels.linear(x, packed), x, packed)
 
 
 def test_int8_keeps_a_q8_0_grid(kernels):
@@ -113,7 +187,7 @@ def test_int8_keeps_a_q8_0_grid(kernels):
     assert torch.equal(low, -128 * scale)
     assert torch.equal(kernels.dequantize(packed), w)
     x = torch.randn(3, k, generator=gen)
-    _assert_within(kernels.linear(x, packed), x.double() @ w.double().T, _bound(x, w))
+    _assert_int8_product(kernels, kernels.linear(x, packed), x, packed)
 
 
 def test_int8_keeps_a_q4_1_grid(kernels):
@@ -153,13 +227,17 @@ def test_bias_accumulate_and_strided_rows(kernels):
     w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     for fmt in ("float32", "int8"):
         packed = kernels.pack(w, fmt)
-        ref = x.double() @ kernels.dequantize(packed).double().T + bias.double()
+        if fmt == "int8":
+            product, bound = _int8_product(kernels, x, packed)
+        else:
+            product, bound = x.double() @ w.double().T, _bound(x, w)
         out_wide = torch.randn(m, n + 3, generator=gen)
         out = out_wide[:, :n]
         before, beyond = out.clone(), out_wide[:, n:].clone()
         kernels.linear(x, packed, bias, out=out, accumulate=True)
-        _assert_within(out, ref + before.double(), _bound(x, kernels.dequantize(packed), 3) + before.double().abs()
-                       * 2 * UNIT_ROUNDOFF + 1e-6)
+        # two more roundings (bias, accumulate) of the result's magnitude
+        magnitude = (product.abs() + bias.double().abs() + before.double().abs()) * 2 * UNIT_ROUNDOFF
+        _assert_within(out, product + bias.double() + before.double(), bound + magnitude + 1e-6)
         assert torch.equal(out_wide[:, n:], beyond), "columns beyond N untouched"
         assert kernels.linear(x[:0], packed).shape == (0, n)
 
@@ -175,6 +253,20 @@ def test_each_row_is_the_same_whatever_the_batch(kernels, fmt):
     alone = torch.cat([kernels.linear(x[i : i + 1], packed) for i in range(len(x))])
     for m in range(2, len(x) + 1):
         assert torch.equal(kernels.linear(x[:m], packed), alone[:m]), f"batch of {m}"
+
+
+def test_int8_non_finite_inputs_stay_in_their_row(kernels):
+    """A NaN or infinity in x makes its row's outputs non-finite (the VNNI kernels: NaN, the group cannot be
+    quantized), as a float32 product's would be, and leaves the other rows as they are alone."""
+    gen = torch.Generator().manual_seed(21)
+    n, k = kernels.panel_width + 3, 70
+    packed = kernels.pack(torch.randn(n, k, generator=gen), "int8")
+    x = torch.randn(6, k, generator=gen)
+    x[1, 5], x[4, 69] = float("nan"), float("inf")
+    got = kernels.linear(x, packed)
+    assert not bool(got[[1, 4]].isfinite().any())
+    for row in (0, 2, 3, 5):
+        assert torch.equal(got[row], kernels.linear(x[row : row + 1], packed)[0])
 
 
 def _rows_in_blocks_equal_rows_alone(kernels, fmt: str) -> None:

@@ -74,34 +74,54 @@ inline vi32 dot_u8s8(vi32 acc, vi32 u8, vi32 s8) {
 #endif
 }
 
+typedef int8_t vi8 __attribute__((vector_size(VEC)));
+
+// v rounded to the nearest integer (half to even: the default rounding mode, as std::nearbyint).
+inline vi32 round_to_i32(vf v) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vi32>(_mm512_cvtps_epi32(reinterpret_cast<__m512>(v)));
+#else
+  return reinterpret_cast<vi32>(_mm256_cvtps_epi32(reinterpret_cast<__m256>(v)));
+#endif
+}
+
 // The activations of one row x[0, K) as `groups` Groups (see the file comment). A group holding a NaN or an
 // infinity gets scale NaN, so its outputs are NaN, as a float32 product's would be (or infinite).
 inline void quantize_row(const float* x, int64_t K, Group* out, int64_t groups) {
+  constexpr int PARTS = GROUP / VEC;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * GROUP, n = std::min(GROUP, K - k0);
-    float v[GROUP] = {};
-    std::copy(x + k0, x + k0 + n, v);
-    float top = 0.0f;
-    bool finite = true;
-    for (int i = 0; i < GROUP; ++i) {
-      top = std::max(top, std::fabs(v[i]));
-      finite &= std::isfinite(v[i]);
+    float padded[GROUP] = {};
+    const float* v = x + k0;
+    if (n < GROUP) v = static_cast<const float*>(std::memcpy(padded, v, n * sizeof(float)));
+    vf part[PARTS], top_lanes = vf{}, nan_lanes = vf{};
+    for (int i = 0; i < PARTS; ++i) {
+      part[i] = load_vec(v + i * VEC);
+      const vf magnitude = part[i] < 0 ? -part[i] : part[i];
+      top_lanes = magnitude > top_lanes ? magnitude : top_lanes;  // a NaN is skipped here, caught below
+      nan_lanes += part[i] - part[i];                             // NaN where the part held an infinity or NaN
     }
+    float top = 0.0f, not_finite = 0.0f;
+    for (int i = 0; i < VEC; ++i) top = std::max(top, top_lanes[i]), not_finite += nan_lanes[i];
+    const bool finite = not_finite == 0.0f;
     Group& q = out[g];
-    const float inv = finite && top > 0.0f ? TOP / top : 0.0f;
-    int8_t hi[GROUP], lo[GROUP];
-    int32_t sum = 0;
-    for (int i = 0; i < GROUP; ++i) {
-      const int32_t c = static_cast<int32_t>(std::min(TOP, std::max(-TOP, std::nearbyint(v[i] * inv))));
-      const int32_t h = (c + 64) >> 7;  // floor: lo = c - 128 h in [-64, 63]
-      hi[i] = static_cast<int8_t>(h);
-      lo[i] = static_cast<int8_t>(c - 128 * h);
+    const vf inv = splat(finite && top > 0.0f ? TOP / top : 0.0f);
+    vi32 sum = vi32{};
+    for (int i = 0; i < PARTS; ++i) {
+      vi32 c = round_to_i32(part[i] * inv);
+      const vi32 top_code = splat_i32(static_cast<int32_t>(TOP));
+      c = c > top_code ? top_code : c;
+      c = c < -top_code ? -top_code : c;
+      const vi32 h = (c + 64) >> 7;  // floor: lo = c - 128 h in [-64, 63]
+      const vi8 hi = __builtin_convertvector(h, vi8), lo = __builtin_convertvector(c - (h << 7), vi8);
+      std::memcpy(reinterpret_cast<int8_t*>(q.hi) + i * VEC, &hi, VEC);
+      std::memcpy(reinterpret_cast<int8_t*>(q.lo) + i * VEC, &lo, VEC);
       sum += c;
     }
-    std::memcpy(q.hi, hi, sizeof hi);
-    std::memcpy(q.lo, lo, sizeof lo);
+    int32_t total = 0;
+    for (int i = 0; i < VEC; ++i) total += sum[i];
     q.scale = finite ? top / TOP : std::numeric_limits<float>::quiet_NaN();
-    q.sum = static_cast<float>(sum);
+    q.sum = static_cast<float>(total);
   }
 }
 

@@ -147,8 +147,12 @@ class DecodeStepModel:
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             keep.extend((layer.input_norm, layer.post_norm, k_cache, v_cache))
         bf16_cache = cache_dtype == torch.bfloat16
-        kernels = _Kernels(*(_address(built.entry_point(name)) for built, name in (
-            (linear, "linear_f32"), (linear, "linear_i8"), (linear, "linear_bf16"), (ops, "rms_norm_f32"),
+        # linear_i8 only where a weight is int8 (its library loads on first int8 use; the step never calls it else)
+        int8 = any(entry.qkv.scales or entry.o.scales or entry.gate_up.scales or entry.down.scales
+                   for entry in layers)
+        kernels = _Kernels(*(_address(built.entry_point(name)) if name else None for built, name in (
+            (linear, "linear_f32"), (linear, "linear_i8" if int8 else None), (linear, "linear_bf16"),
+            (ops, "rms_norm_f32"),
             (ops, "rope_store_kv_f32_bf16" if bf16_cache else "rope_store_kv_f32"), (ops, "silu_mul_f32"),
             (decode, "paged_decode_f32_bf16" if bf16_cache else "paged_decode_f32"))))
         self._library = library

@@ -20,6 +20,10 @@
 
 #pragma once
 
+// Defined where the build has the instructions: AVX512-VNNI with AVX512-BW, or AVX-VNNI without AVX-512.
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+#define OMNI_INT8_VNNI 1
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -190,3 +194,5 @@ constexpr const Tile* wide_tiles = wide<1>;
 #endif
 
 }  // namespace omni::vnni
+
+#endif  // OMNI_INT8_VNNI

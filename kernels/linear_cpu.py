@@ -120,7 +120,7 @@ class CpuLinearKernels(CpuLibrary):
             the process its tile state), "avx512_bf16" (vdpbf16ps), "avx512_fma" (each pair widened to float32,
             FMAs: chosen without AMX where the FMA loop runs at least 1.5x vdpbf16ps's FLOP rate, measured once per
             process) or None (this CPU, or build, has none of them).
-        int8_kernel: what runs the int8 codes: "avx512_vnni" or "avx_vnni" (integer dot products, activations
+        int8_kernel: (a property: the first int8 use builds linear_int8.cpp) what runs the int8 codes: "avx512_vnni" or "avx_vnni" (integer dot products, activations
             quantized to 15 bits per group of 32, see linear_int8.cpp) or "fma" (weights dequantized to float32,
             FMAs: CPUs without VNNI).
 
@@ -134,16 +134,42 @@ class CpuLinearKernels(CpuLibrary):
 
     def __init__(self, build_dir: str | os.PathLike):
         super().__init__(build_dir)
-        # the int8 kernels are their own library (linear_int8.cpp); their entry points join this one's
-        self._fn.update(load_functions(_INT8_SOURCE, Path(build_dir), self.FLAGS, _INT8_SIGNATURES)[1])
+        self._build_dir, self._flags = Path(build_dir), list(self.FLAGS)  # the int8 library's, built later
+        self._int8_loaded = False
         self.panel_width = int(self._fn["linear_panel_width"]())
-        int8_layout = (self._fn["linear_i8_group"](), self._fn["linear_i8_panel_width"]())
-        if int8_layout != (INT8_GROUP, self.panel_width):
-            raise CpuKernelUnavailable(f"{_INT8_SOURCE.name} has groups and panels of {int8_layout}, this wrapper "
-                                       f"{(INT8_GROUP, self.panel_width)}")
-        self._int8_interleave = int(self._fn["linear_i8_k_interleave"]())
-        self.int8_kernel = {0: "fma", 1: "avx512_vnni", 2: "avx_vnni"}[int(self._fn["linear_i8_kernel"]())]
         self.bf16_kernel = {2: "amx", 1: "avx512_bf16", 3: "avx512_fma"}.get(int(self._fn["linear_bf16_kernel"]()))
+
+    def _load_int8(self) -> None:
+        """Load the int8 kernels, their own library (linear_int8.cpp), on first int8 use, so that a build failure
+        there leaves float32 and bfloat16 working; their entry points join this library's.
+
+        Raises:
+            CpuKernelUnavailable: linear_int8.cpp cannot be built or loaded, or disagrees with this wrapper.
+        """
+        if self._int8_loaded:
+            return
+        functions = load_functions(_INT8_SOURCE, self._build_dir, self._flags, _INT8_SIGNATURES)[1]
+        layout = (functions["linear_i8_group"](), functions["linear_i8_panel_width"]())
+        if layout != (INT8_GROUP, self.panel_width):
+            raise CpuKernelUnavailable(f"{_INT8_SOURCE.name} has groups and panels of {layout}, this wrapper "
+                                       f"{(INT8_GROUP, self.panel_width)}")
+        self._fn.update(functions)
+        self._int8_loaded = True
+
+    def entry_point(self, name: str):
+        """As `CpuLibrary.entry_point`; the int8 ones load linear_int8.cpp first (`_load_int8`)."""
+        if name in _INT8_SIGNATURES:
+            self._load_int8()
+        return super().entry_point(name)
+
+    @property
+    def int8_kernel(self) -> str:
+        """What runs the int8 codes (see the class docstring); loads the int8 kernels."""
+        return {0: "fma", 1: "avx512_vnni", 2: "avx_vnni"}[int(self.entry_point("linear_i8_kernel")())]
+
+    @property
+    def _int8_interleave(self) -> int:
+        return int(self.entry_point("linear_i8_k_interleave")())
 
     def _int8_params_shape(self, n: int, k: int) -> tuple[int, ...]:
         return (-(-n // self.panel_width), -(-k // INT8_GROUP), 2, self.panel_width)
@@ -162,7 +188,8 @@ class CpuLinearKernels(CpuLibrary):
 
         Raises:
             ValueError: an unknown format, or a weight that is not a float32 CPU matrix with unit stride in K.
-            kernels.cpu_library.CpuKernelUnavailable: "bfloat16" where this build has no bfloat16 panels.
+            kernels.cpu_library.CpuKernelUnavailable: "bfloat16" where this build has no bfloat16 panels, "int8"
+                where the int8 kernels cannot be built or loaded.
         """
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
@@ -181,7 +208,7 @@ class CpuLinearKernels(CpuLibrary):
             return PackedWeight(panels, None, n, k)
         panels = torch.empty(shape, dtype=torch.uint8)
         scales = torch.empty(self._int8_params_shape(n, k), dtype=torch.float32)
-        self._fn["linear_pack_i8"](weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
+        self.entry_point("linear_pack_i8")(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
         return PackedWeight(panels, scales, n, k)
 
     def check_packed(self, packed: PackedWeight) -> None:
@@ -260,7 +287,7 @@ class CpuLinearKernels(CpuLibrary):
             self._fn["linear_f32"](x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(), n, bias_ptr,
                                    out.data_ptr(), out.stride(0), int(accumulate))
         else:
-            self._fn["linear_i8"](x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(),
+            self.entry_point("linear_i8")(x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(),
                                   packed.scales.data_ptr(), n, bias_ptr, out.data_ptr(), out.stride(0),
                                   int(accumulate))
         return out

@@ -40,10 +40,7 @@
 #include "cpu_simd.h"
 #include "cpu_tiles.h"
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
-#define OMNI_INT8_VNNI 1
-#include "int8_vnni.h"
-#endif
+#include "int8_vnni.h"  // defines OMNI_INT8_VNNI where the CPU has VNNI
 
 namespace {
 

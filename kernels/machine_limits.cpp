@@ -1,6 +1,7 @@
 // The CPU's limits: memory bandwidth (a STREAM triad and a read-only pass, each split statically over the
 // calling thread's OpenMP team) and arithmetic peaks, measured with register-only loops (no memory traffic):
-// float32 FMA, AVX512-BF16 dot products (vdpbf16ps) and AMX bf16 tile products (tdpbf16ps). The C ABI below is
+// float32 FMA, AVX512-BF16 dot products (vdpbf16ps), AMX bf16 tile products (tdpbf16ps) and VNNI u8 x s8 dot
+// products (vpdpbusd). The C ABI below is
 // called through ctypes by kernels/machine_limits.py, which documents the contract; scripts/bench_cpu_step.py
 // reports each decode step against these (a benchmark's yardstick, not used by the engine).
 //
@@ -18,6 +19,7 @@
 #include "cpu_amx.h"
 #include "cpu_peaks.h"
 #include "cpu_simd.h"
+#include "int8_vnni.h"
 
 namespace {
 
@@ -90,6 +92,27 @@ double peak_fma_f32(int64_t iters) {
 double peak_dot_bf16(int64_t iters) {
 #if defined(__AVX512BF16__)
   return team_rate(4.0 * 16 * omni::CHAINS * iters, [iters] { omni::dot_bf16_loop(iters); });
+#else
+  (void)iters;
+  return 0.0;
+#endif
+}
+
+// VNNI vpdpbusd (VEC 32-bit lanes x 4 u8 x s8 multiply-adds; a multiply-add counted as 2, like the float ones); 0
+// where the build has no VNNI (int8_vnni.h's OMNI_INT8_VNNI).
+double peak_dot_int8(int64_t iters) {
+#if defined(OMNI_INT8_VNNI)
+  return team_rate(8.0 * VEC * omni::CHAINS * iters, [iters] {
+    omni::vi32 acc[omni::CHAINS] = {};
+    omni::vi32 a = omni::vnni::splat_i32(0x01010101), b = omni::vnni::splat_i32(0x01ff01ff);
+    for (int64_t it = 0; it < iters; ++it) {
+      for (int i = 0; i < omni::CHAINS; ++i) acc[i] = omni::vnni::dot_u8s8(acc[i], a, b);
+      __asm__ volatile("" : "+x"(a), "+x"(b));
+    }
+    int32_t sink = 0;
+    for (int i = 0; i < omni::CHAINS; ++i) sink += acc[i][0];
+    __asm__ volatile("" : : "r"(sink));
+  });
 #else
   (void)iters;
   return 0.0;

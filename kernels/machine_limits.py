@@ -1,6 +1,6 @@
 """The machine's limits, the yardstick scripts/bench_cpu_step.py measures the CPU step against: memory bandwidth
 (a STREAM-like triad and a read-only pass) and the arithmetic peaks of register-only loops (``machine_limits.cpp``:
-float32 FMA, AVX512-BF16 vdpbf16ps, AMX tdpbf16ps), built on first use (``kernels/cpu_library.py``).
+float32 FMA, AVX512-BF16 vdpbf16ps, AMX tdpbf16ps, VNNI vpdpbusd), built on first use (``kernels/cpu_library.py``).
 
 Bandwidth: the triad is STREAM's (J. McCalpin, "Memory Bandwidth and Machine Balance in Current High Performance
 Computers", IEEE TCCA Newsletter, 1995): ``a = b + s * c`` over arrays far larger than the caches, counted as STREAM
@@ -22,7 +22,7 @@ import torch
 from kernels.cpu_library import CpuLibrary
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-PEAKS = ("fma_f32", "dot_bf16", "amx_bf16")
+PEAKS = ("fma_f32", "dot_bf16", "amx_bf16", "dot_int8")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 

@@ -6,7 +6,9 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
 - ``onednn``: the torch modules with oneDNN-packed float32 weights (`engine/cpu_linear.py`), the CPU path before
   the C++ kernels, and what runs where they cannot be built;
 - ``kernels-float32``: the C++ step (`models/llama_cpu.py`) with float32 panels, the float32 default;
-- ``kernels-int8``: the same with weight-only int8 codes and group scales (quantization "int8");
+- ``kernels-int8``: the same with weight-only int8 codes and group scales (quantization "int8"): integer dot
+  products (vpdpbusd) where the CPU has VNNI, else the codes dequantized to float32 in registers and FMAs;
+- ``kernels-int8-fma``: the same with the FMA int8 kernel forced (built without VNNI: what CPUs without it run);
 - ``kernels-bfloat16``: the C++ step in bfloat16 (bf16 panels on AMX, else vdpbf16ps or FMAs on the widened pairs,
   whichever the kernel measures faster; bf16 KV cache; AVX512-BF16 CPUs only);
 - ``kernels-bfloat16-vdpbf16ps``: the same with vdpbf16ps forced where there is no AMX (what such CPUs ran before
@@ -14,12 +16,14 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
 - ``onednn-bfloat16``: the torch modules in bfloat16 on oneDNN-packed weights (what bfloat16 ran before).
 
 Machine limits (`kernels/machine_limits.py`, measured before every round with the same threads, the best of the
-rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps and
-AMX. Each variant's steps are then reported as fractions of their bounds: batch 1 against the bandwidth bound (the
+rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps,
+AMX and VNNI's vpdpbusd. Each variant's steps are then reported as fractions of their bounds: batch 1 against the bandwidth bound (the
 bytes of its packed projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache
 reads at these contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul
-weights FLOP per token / the peak of the instruction the variant multiplies with: FMA for float32 and int8; for
-bfloat16 AMX where the CPU has it, else the faster of vdpbf16ps and FMA, since either can multiply bf16 panels). A
+weights FLOP per token / the peak of the instruction the variant multiplies with: FMA for float32; for int8 half
+the vpdpbusd rate where the CPU has VNNI (each multiply-add of a 15-bit activation takes two u8 x s8 ones, see
+kernels/int8_vnni.h), else FMA; for bfloat16 AMX where the CPU has it, else the faster of vdpbf16ps and FMA, since
+either can multiply bf16 panels). A
 prefill computes the LM head for its last token only, so its FLOP are 2 x the layers' weights per token plus 2 x
 the head's once; its rate is also reported in GFLOP/s. Attention, norms and
 sampling count as overhead, so 100 % is out of reach.
@@ -48,7 +52,7 @@ import torch
 
 from kernels.cpu_library import CpuKernelUnavailable
 from kernels.linear_cpu import CpuLinearKernels
-from kernels.machine_limits import MachineLimits
+from kernels.machine_limits import PEAKS, MachineLimits
 from omni_backend import paths
 from omni_backend.engine.cpu_dtype import LayerShape
 from omni_backend.engine.config import EngineConfig
@@ -60,11 +64,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as serving  # noqa: E402  (its cpu_info)
 
 MODEL = paths.models_dir() / "SmolLM2-135M-Instruct"
-VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-bfloat16", "kernels-bfloat16-vdpbf16ps",
-            "onednn-bfloat16")
+VARIANTS = ("onednn", "kernels-float32", "kernels-int8", "kernels-int8-fma", "kernels-bfloat16",
+            "kernels-bfloat16-vdpbf16ps", "onednn-bfloat16")
 # bytes per weight read by a batch-1 step; int8: the code plus a float32 scale and minimum per 32 weights
-WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1.25, "kernels-bfloat16": 2,
-                "kernels-bfloat16-vdpbf16ps": 2, "onednn-bfloat16": 2}
+WEIGHT_BYTES = {"onednn": 4, "kernels-float32": 4, "kernels-int8": 1.25, "kernels-int8-fma": 1.25,
+                "kernels-bfloat16": 2, "kernels-bfloat16-vdpbf16ps": 2, "onednn-bfloat16": 2}
+
+
+# the variants that force a kernel by building the linear kernels with these extra flags
+FORCED_BUILDS = {"kernels-bfloat16-vdpbf16ps": ["-DOMNI_BF16_KERNEL=1"],
+                 "kernels-int8-fma": ["-mno-avx512vnni", "-mno-avxvnni"]}
 
 
 def _without_cpu_kernels(*_args, **_kwargs):
@@ -74,10 +83,10 @@ def _without_cpu_kernels(*_args, **_kwargs):
 def build_engine(variant: str, threads: int) -> LLMEngine:
     config = EngineConfig(model_path=str(MODEL), dtype="bfloat16" if "bfloat16" in variant else "float32",
                           max_num_seqs=32, kv_cache_bytes=512 << 20, cpu_threads=threads, enable_prefix_caching=False,
-                          quantization="int8" if variant == "kernels-int8" else "none")
-    if variant == "kernels-bfloat16-vdpbf16ps":  # its own build of the linear kernels (the flags are hashed)
+                          quantization="int8" if variant.startswith("kernels-int8") else "none")
+    if variant in FORCED_BUILDS:  # its own build of the linear kernels (the flags are hashed)
         flags = CpuLinearKernels.FLAGS
-        CpuLinearKernels.FLAGS = flags + ["-DOMNI_BF16_KERNEL=1"]
+        CpuLinearKernels.FLAGS = flags + FORCED_BUILDS[variant]
         try:
             return LLMEngine(config)
         finally:
@@ -130,7 +139,7 @@ def machine_limits(threads: int) -> dict:
     torch.set_num_threads(threads)
     limits = MachineLimits(paths.cache_dir() / "kernels")
     return {"read_bytes_per_s": limits.read_bytes_per_s(), "triad_bytes_per_s": limits.triad_bytes_per_s(),
-            **{f"peak_{name}_flops": limits.peak_flops(name) for name in ("fma_f32", "dot_bf16", "amx_bf16")}}
+            **{f"peak_{name}_flops": limits.peak_flops(name) for name in PEAKS}}
 
 
 def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int, cpu: bool = False) -> dict:
@@ -143,6 +152,8 @@ def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: 
     weights = layers + head
     if "bfloat16" in variant:
         peak = limits["peak_amx_bf16_flops"] or max(limits["peak_dot_bf16_flops"], limits["peak_fma_f32_flops"])
+    elif variant == "kernels-int8":  # kernels-int8-fma multiplies with FMAs
+        peak = limits.get("peak_dot_int8_flops", 0.0) / 2 or limits["peak_fma_f32_flops"]
     else:
         peak = limits["peak_fma_f32_flops"]
     flop_per_token = 2 * weights

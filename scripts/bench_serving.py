@@ -94,7 +94,7 @@ QUESTIONS = [
 
 def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
     """The CPU as /proc/cpuinfo names it: {"model": str, "avx2": bool, "avx512f": bool, "avx512_bf16": bool,
-    "amx_bf16": bool, "cores": int}."""
+    "amx_bf16": bool, "avx512_vnni": bool, "avx_vnni": bool, "cores": int}."""
     model, flags = "unknown", set()
     try:
         with open(cpuinfo_path, encoding="utf-8") as handle:
@@ -107,7 +107,8 @@ def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
     except OSError:
         pass
     return {"model": model, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
-            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "cores": os.cpu_count() or 1}
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "avx512_vnni": "avx512_vnni" in flags, "avx_vnni": "avx_vnni" in flags, "cores": os.cpu_count() or 1}
 
 
 # --- measuring -----------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from kernels import linear_cpu
 from kernels.cpu_library import CpuKernelUnavailable, cpu_features
 from kernels.linear_cpu import INT8_GROUP, CpuLinearKernels, PackedWeight
 
@@ -323,6 +324,19 @@ def test_build_failures_say_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(CpuKernelUnavailable, match="no C\\+\\+ compiler"):
         CpuLinearKernels(tmp_path)
+
+
+def test_an_int8_build_failure_leaves_float32_working(tmp_path, monkeypatch):
+    """The int8 kernels are their own library, built on first int8 use: where it fails to build, float32 still
+    runs and int8 says why."""
+    broken = tmp_path / "linear_int8.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(linear_cpu, "_INT8_SOURCE", broken)
+    kernels = CpuLinearKernels(tmp_path / "build")
+    w, x = torch.eye(4), torch.randn(2, 4)
+    assert torch.equal(kernels.linear(x, kernels.pack(w, "float32")), x)
+    with pytest.raises(CpuKernelUnavailable, match="compiling linear_int8.cpp failed"):
+        kernels.pack(w, "int8")
 
 
 # --- bfloat16 panels (AVX512-BF16 / AMX) ---------------------------------------------------------------------------

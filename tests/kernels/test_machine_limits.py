@@ -31,6 +31,10 @@ def test_peaks_exist_where_the_cpu_has_the_instruction_and_are_physical(limits):
     dot = limits.peak_flops("dot_bf16", seconds=0.05)
     assert (dot > 0) == ("avx512_bf16" in flags)
     assert dot < 2 * 16 * 4 * GHZ_MAX * 1e9  # two ports x 16 lanes x 2 multiply-adds
+    int8 = limits.peak_flops("dot_int8", seconds=0.05)
+    vnni = {"avx512_vnni", "avx512bw"} <= flags or "avx_vnni" in flags and "avx512f" not in flags
+    assert (int8 > 0) == vnni
+    assert int8 < 2 * lanes * 4 * 2 * GHZ_MAX * 1e9  # two ports x lanes x 4 multiply-adds
     amx = limits.peak_flops("amx_bf16", seconds=0.05)
     assert (amx > 0) == ("amx_bf16" in flags)
     assert amx < 1024 * 2 * GHZ_MAX * 1e9  # one TMUL: 1,024 bf16 multiply-adds per cycle (Intel's AMX figure)

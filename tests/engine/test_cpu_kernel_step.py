@@ -1,5 +1,6 @@
 """The CPU engine's float32 step through the C++ kernels (models/llama_cpu.py), its weight-only int8 mode and its
-bfloat16 step (AVX512-BF16 / AMX): int8 greedy tokens equal transformers' on the same dequantized weights, bfloat16
+bfloat16 step (AVX512-BF16 / AMX): int8 greedy tokens equal transformers' on the same dequantized weights (on VNNI
+CPUs also through the kernel's 15-bit activations, which these prompts' tokens do not see), bfloat16
 logits stay within the bf16 rounding of transformers' float32 ones; decode steps in one C++ call equal the
 per-op path bit for bit; the fallback where the kernels cannot be built says why; int8 is refused where it cannot
 run."""

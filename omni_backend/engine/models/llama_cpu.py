@@ -9,7 +9,8 @@ place, RMSNorm, the fused gate/up projection, SiLU(gate) * up, and the down proj
 stream: 9 calls where the torch modules take about 35 ops; a decode-only step with the C++ attention runs all of it
 in one call (`kernels/cpu_decode_step.py`, bit-identical). The arithmetic is the torch modules' (`models/llama.py`)
 in float32, each product one float32 sum; the weights are packed once, as float32 panels, with quantization "int8"
-as int8 codes with a scale and minimum per 32 inputs (weight-only: activations stay float32), or for a bfloat16
+as int8 codes with a scale and minimum per 32 inputs (weight-only; on CPUs with VNNI each projection's input is
+rounded to 15 bits per group of 32 for integer dot products, elsewhere it stays float32), or for a bfloat16
 model as bfloat16 panels (each projection's input rounded to bfloat16, float32 sums: AMX or AVX512-BF16), whose K/V cache is then
 bfloat16 too; norms, RoPE, softmax and the residual stream stay float32. Measured in docs/benchmarks.md ("The CPU
 step").

@@ -7,7 +7,8 @@ A model's glue parses its string parameters in `initialize` (`string_parameters`
 - `respond_each`: one response per request, `run(arrays)` -> output arrays;
 - `respond_batch`: a dynamic batch run together, `run_batch([arrays, ...])` -> one result per item, either its output
   arrays or the exception that item alone ends with;
-- `StreamSender`: a decoupled request's response sender (responses, its error, its final flag, cancellation).
+- `StreamSender`: a decoupled request's response sender (responses, its error, its final flag, cancellation);
+- `release_python_objects`: the last call of every `finalize`.
 
 Errors leave a stage as `pb_utils.TritonError`s whose message carries the error kind's header
 (`omni_backend.vocabulary.StageError`). `pb_utils` is passed in because it only exists inside a stub process.
@@ -16,6 +17,7 @@ Errors leave a stage as `pb_utils.TritonError`s whose message carries the error 
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import threading
 import time
@@ -36,6 +38,15 @@ def string_parameters(args: dict) -> dict[str, str]:
 def start_heartbeat(pb_utils, args: dict) -> StageHeartbeat:
     """The stage's heartbeat gauge, beating from now on (ops/metrics.py); stop it in `finalize`."""
     return StageHeartbeat(pb_utils, args["model_name"], args["model_version"])
+
+
+def release_python_objects(model) -> None:
+    """Drop every attribute of `model` (a `TritonPythonModel`) and collect garbage, at the end of its `finalize`:
+    Triton metric families (`pb_utils.MetricFamily`) left for the interpreter's shutdown are destroyed after the
+    stub's own state and segfault it in `Metric::Clear` (triton-inference-server/python_backend#429, fixed after
+    Triton 2.51); destroyed here, while the stub is whole, they unregister cleanly."""
+    model.__dict__.clear()
+    gc.collect()
 
 
 def request_arrays(pb_utils, request, names) -> dict[str, np.ndarray]:
@@ -129,6 +140,7 @@ class StageModel:
 
     def finalize(self) -> None:
         self.heartbeat.stop()
+        release_python_objects(self)
 
 
 RETIRE_AFTER_S = 5.0  # those other threads let go within milliseconds

@@ -112,6 +112,9 @@ def test_sigterm_to_tritonserver_finishes_running_and_waiting_requests_and_refus
         assert exited_after_s < EXIT_TIMEOUT_S, f"exited {exited_after_s:.1f} s after SIGTERM"
         log = server.log_text()
         assert "Exit timeout expired" not in log and "shutting down" not in log
+        # the stubs' metric families are released in finalize (triton_glue.release_python_objects), not by the
+        # interpreter's exit, where 2.51's stub segfaults on them
+        assert "Segfault encountered" not in log
     finally:
         door.stop()
 
@@ -206,4 +209,5 @@ def test_requests_still_running_at_the_exit_timeout_are_aborted_and_the_server_e
     assert code == 0 and time.monotonic() - sigterm_at < exit_timeout_s + 1
     log = server.log_text()
     assert "Exit timeout expired" not in log and "Signal (11)" not in log and "Signal (6)" not in log
+    assert "Segfault encountered" not in log
     assert "aborted 2 requests still running at the server's exit timeout" in log

@@ -9,7 +9,13 @@ import triton_python_backend_utils as pb_utils
 from omni_backend.stages.llm.build import create_service
 from omni_backend.stages.llm.dynamo_endpoint import serve_stage_on_dynamo
 from omni_backend.stages.llm.triton_io import INPUT_NAMES, serve_request
-from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, string_parameters
+from omni_backend.stages.triton_glue import (
+    Retired,
+    StreamSender,
+    release_python_objects,
+    request_arrays,
+    string_parameters,
+)
 
 
 class TritonPythonModel:
@@ -39,3 +45,4 @@ class TritonPythonModel:
         if self.dynamo is not None:  # Dynamo drains its requests before the engine's threads stop
             self.dynamo.stop()
         self.service.shutdown()
+        release_python_objects(self)

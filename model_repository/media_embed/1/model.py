@@ -9,7 +9,13 @@ import triton_python_backend_utils as pb_utils
 
 from omni_backend import tensor_names as T
 from omni_backend.stages.media_encoder import encoder_calls, splice_embeddings
-from omni_backend.stages.triton_glue import request_arrays, response, start_heartbeat, triton_error
+from omni_backend.stages.triton_glue import (
+    release_python_objects,
+    request_arrays,
+    response,
+    start_heartbeat,
+    triton_error,
+)
 from omni_backend.stages.tensors import one_value
 from omni_backend.vocabulary import ErrorKind, StageError
 
@@ -50,3 +56,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.heartbeat.stop()
+        release_python_objects(self)

@@ -6,7 +6,14 @@ SpeechWorker thread synthesizes the chunks, lowest chunk index first across requ
 
 import triton_python_backend_utils as pb_utils
 
-from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, start_heartbeat, string_parameters
+from omni_backend.stages.triton_glue import (
+    Retired,
+    StreamSender,
+    release_python_objects,
+    request_arrays,
+    start_heartbeat,
+    string_parameters,
+)
 from omni_backend.stages.tts import INPUT_NAMES, SpeechStage, SpeechWorker, serve_request
 
 
@@ -31,3 +38,4 @@ class TritonPythonModel:
     def finalize(self):
         self.heartbeat.stop()
         self.worker.shutdown()
+        release_python_objects(self)

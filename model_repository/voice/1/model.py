@@ -7,7 +7,14 @@ and sends the chunks.
 import triton_python_backend_utils as pb_utils
 
 from omni_backend.ops.metrics import VoiceMetrics
-from omni_backend.stages.triton_glue import Retired, StreamSender, request_arrays, start_heartbeat, string_parameters
+from omni_backend.stages.triton_glue import (
+    Retired,
+    StreamSender,
+    release_python_objects,
+    request_arrays,
+    start_heartbeat,
+    string_parameters,
+)
 from omni_backend.stages.voice import INPUT_NAMES, build_worker
 from omni_backend.vocabulary import ErrorKind, StageError
 
@@ -37,3 +44,4 @@ class TritonPythonModel:
         self.heartbeat.stop()
         if self.worker is not None:
             self.worker.shutdown()
+        release_python_objects(self)

@@ -166,13 +166,14 @@ constexpr Tile<Weight> wide_tiles_of[] = {nullptr, tile<R, panels_per_tile(R), W
 template <typename Weight>
 constexpr const Tile<Weight>* wide_tiles = wide_tiles_of<Weight, 1, 2, 3>;
 
-// The driver of linear_f32 and of linear_bf16's tiles. Work units, split statically over the threads: with M < 4
-// rows, groups of panels_per_tile(M) consecutive panels (the leftover panels one at a time), each one tile;
-// otherwise one panel each, its rows in tiles of MR. The weights stream from memory once per call (a decode step's
-// x rows stay in L1/L2). With several tiles per panel the first tile would wait for memory while the others run
-// from L2, so the tiles prefetch the next panel into L2, each its share, and the stream overlaps the arithmetic.
-// With one tile the panels are read in address order and the hardware prefetchers keep up with float32 (int8 codes
-// go through bytes faster: linear_int8.cpp prefetches for 1-2 rows too). For bf16 panels K counts pairs; x is bf16
+// The driver of linear_f32 and of linear_bf16's tiles: a prefill's rows in blocks, then omni::for_each_tile. Work
+// units, split statically over the threads: with M < 4 rows, groups of panels_per_tile(M) consecutive panels (the
+// leftover panels one at a time), each one tile; otherwise one panel each, its rows in tiles of MR. The weights
+// stream from memory once per call (a decode step's x rows stay in L1/L2). With several tiles per panel the first
+// tile would wait for memory while the others run from L2, so the tiles prefetch the next panel into L2, each its
+// share, and the stream overlaps the arithmetic. With one tile the panels are read in address order and the
+// hardware prefetchers keep up with float32 (int8 codes go through bytes faster: linear_int8.cpp prefetches for 1-2
+// rows too). For bf16 panels K counts pairs; x is bf16
 // pairs for Bf16Pair, float32 (two per pair, ldx in floats) for Bf16Wide.
 template <typename Weight>
 void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight* packed, int64_t N,
@@ -189,38 +190,12 @@ void run(const Input<Weight>* x, int64_t M, int64_t K, int64_t ldx, const Weight
     }
   }
   const int64_t panels = (N + NR - 1) / NR;
-  const int64_t panel_bytes = K * NR * static_cast<int64_t>(sizeof(Weight));
-  const char* const packed_end = reinterpret_cast<const char*>(packed) + panels * panel_bytes;
-  const int64_t num_tiles = (M + MR - 1) / MR;
-  const bool prefetch = num_tiles > 1;
-  const int group = panels_per_tile(M);
-  const int64_t groups = group > 1 ? panels / group : 0;
-  const int64_t units = groups + (panels - groups * group);
-#pragma omp parallel for schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const bool grouped = u < groups;
-    const int64_t p = grouped ? u * group : groups * group + (u - groups);  // the unit's first panel
-    const int64_t unit_panels = grouped ? group : 1;
-    const Weight* panel = packed + p * K * NR;
-    const char* next = reinterpret_cast<const char*>(panel + unit_panels * K * NR);
-    const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes, packed_end - next) : 0;
-    const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
-    const float* b = bias ? bias + p * NR : nullptr;
-    const int64_t n_left = N - p * NR;
-    if (M < 4) {  // one tile for all the rows
-      const Tile<Weight> one = grouped ? wide_tiles<Weight>[M] : tiles_for<Weight>[M];
-      one(x, ldx, panel, K, y + p * NR, ldy, n_left, b, accumulate, next, next_lines);
-      continue;
-    }
-    const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
-    for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-      const int64_t from = std::min(t * share, next_lines);
-      const int64_t lines = std::min(share, next_lines - from);
-      tiles_for<Weight>[rows](x + m * ldx, ldx, panel, K, y + m * ldy + p * NR, ldy, n_left, b, accumulate,
-                              next + from * 64, lines);
-    }
-  }
+  omni::for_each_tile(M, panels, K * NR * static_cast<int64_t>(sizeof(Weight)), packed, 4, MR, panels_per_tile(M),
+                      false, [&](int64_t m, int rows, int64_t p, bool wide, const char* ahead, int64_t lines) {
+                        (wide ? wide_tiles<Weight> : tiles_for<Weight>)[rows](
+                            x + m * ldx, ldx, packed + p * K * NR, K, y + m * ldy + p * NR, ldy, N - p * NR,
+                            bias ? bias + p * NR : nullptr, accumulate, ahead, lines);
+                      });
 }
 
 // packed [ceil(N / NR)][K][NR] = value(n, k) for n < N, zeros in the last panel's padding.

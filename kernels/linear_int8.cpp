@@ -148,42 +148,6 @@ Grid quantize_group(const float* w, int64_t n, float s, float m, uint8_t* q) {
 }
 
 
-// Calls run(m, rows, p, wide, ahead, ahead_lines) for every tile of an M-row product over `panels` panels of
-// `panel_bytes` codes: the panels in units (of `group` panels each while they last, then single ones) split over
-// the OpenMP team; a batch of fewer than `wide_below` rows runs one wide tile per unit (wide = true), a larger one
-// tiles of at most `mr` rows. Each tile is told the next unit's codes (its share of their cache lines) to prefetch
-// into L2 while it runs, when there are several tiles per unit or the batch has 1-2 rows (the weights stream from
-// memory; measured in linear_cpu.cpp's `run`).
-template <class Run>
-void for_each_tile(int64_t M, int64_t panels, int64_t panel_bytes, const uint8_t* packed, int64_t wide_below,
-                   int64_t mr, int group, const Run& run) {
-  const uint8_t* const packed_end = packed + panels * panel_bytes;
-  const int64_t num_tiles = M < wide_below ? 1 : (M + mr - 1) / mr;
-  const bool prefetch = num_tiles > 1 || M <= 2;
-  const int64_t grouped_units = group > 1 ? panels / group : 0;
-  const int64_t units = grouped_units + (panels - grouped_units * group);
-#pragma omp parallel for schedule(static)
-  for (int64_t u = 0; u < units; ++u) {
-    const bool grouped = u < grouped_units;
-    const int64_t p = grouped ? u * group : grouped_units * group + (u - grouped_units);  // the unit's first panel
-    const int64_t unit_panels = grouped ? group : 1;
-    const char* next = reinterpret_cast<const char*>(packed + (p + unit_panels) * panel_bytes);
-    const int64_t next_bytes = prefetch ? std::min<int64_t>(unit_panels * panel_bytes,
-                                                            reinterpret_cast<const char*>(packed_end) - next) : 0;
-    const int64_t next_lines = next_bytes > 0 ? next_bytes / 64 : 0;
-    if (M < wide_below) {
-      run(0, static_cast<int>(M), p, grouped, next, next_lines);
-      continue;
-    }
-    const int64_t share = (next_lines + num_tiles - 1) / num_tiles;  // lines per tile
-    for (int64_t m = 0, t = 0; m < M; m += mr, ++t) {
-      const int rows = static_cast<int>(std::min<int64_t>(mr, M - m));
-      const int64_t from = std::min(t * share, next_lines);
-      run(m, rows, p, false, next + from * 64, std::min(share, next_lines - from));
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -254,14 +218,14 @@ void linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t r = 0; r < M; ++r) vnni::quantize_row(x + r * ldx, K, xq + r * groups, groups);
   const int64_t K4 = padded_k(K) / 4;
-  for_each_tile(M, panels, panel_bytes, packed, vnni::MR, vnni::MR, vnni::panels_per_tile(M),
+  omni::for_each_tile(M, panels, panel_bytes, packed, vnni::MR, vnni::MR, vnni::panels_per_tile(M), true,
                 [&](int64_t m, int rows, int64_t p, bool wide, const char* ahead, int64_t lines) {
                   (wide ? vnni::wide_tiles : vnni::tiles)[rows](
                       xq + m * groups, packed + p * panel_bytes, params + p * groups * 2 * NR, K4, groups,
                       y + m * ldy + p * NR, ldy, N - p * NR, bias ? bias + p * NR : nullptr, add, ahead, lines);
                 });
 #else
-  for_each_tile(M, panels, panel_bytes, packed, 4, MR, panels_per_tile(M),
+  omni::for_each_tile(M, panels, panel_bytes, packed, 4, MR, panels_per_tile(M), true,
                 [&](int64_t m, int rows, int64_t p, bool wide, const char* ahead, int64_t lines) {
                   (wide ? wide_tiles : tiles)[rows](x + m * ldx, ldx, packed + p * panel_bytes,
                                                     params + p * groups * 2 * NR, K, groups, y + m * ldy + p * NR,

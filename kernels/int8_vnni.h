@@ -27,7 +27,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -40,6 +39,7 @@ namespace omni::vnni {
 constexpr int64_t GROUP = 32;
 constexpr int64_t QUADS = GROUP / 4;  // 32-bit lanes of four codes per group
 constexpr float TOP = 16256.0f;       // 127 * 128: the largest |c| whose hi fits a signed byte with lo = 0
+constexpr float SMALLEST = 0x1p-100f;  // groups with max|x| below count as zero (see quantize_row)
 
 // Row-by-panel pairs a tile keeps in registers: each pair holds 4 int32 accumulators (two halves x two vectors)
 // and 2 float32 ones, so 4 pairs fill AVX-512's 32 registers with the weights and broadcasts, 2 AVX2's 16.
@@ -90,7 +90,10 @@ inline vi32 round_to_i32(vf v) {
 }
 
 // The activations of one row x[0, K) as `groups` Groups (see the file comment). A group holding a NaN or an
-// infinity gets scale NaN, so its outputs are NaN, as a float32 product's would be (or infinite).
+// infinity gets scale NaN, so its outputs are NaN, as a float32 product's would be (or infinite). A group with
+// max|x| < 2^-100 counts as zero (codes and scale 0): 16256 / max|x| would overflow below about 4.8e-35 and the
+// scale lose bits as a subnormal below 1.9e-34; such a group adds under 2^-95 times sum |w| to an output (a flush
+// to zero, as vdpbf16ps does with subnormal inputs).
 inline void quantize_row(const float* x, int64_t K, Group* out, int64_t groups) {
   constexpr int PARTS = GROUP / VEC;
   for (int64_t g = 0; g < groups; ++g) {
@@ -109,7 +112,8 @@ inline void quantize_row(const float* x, int64_t K, Group* out, int64_t groups) 
     for (int i = 0; i < VEC; ++i) top = std::max(top, top_lanes[i]), not_finite += nan_lanes[i];
     const bool finite = not_finite == 0.0f;
     Group& q = out[g];
-    const vf inv = splat(finite && top > 0.0f ? TOP / top : 0.0f);
+    const bool zero = finite && top < SMALLEST;
+    const vf inv = splat(finite && !zero ? TOP / top : 0.0f);
     vi32 sum = vi32{};
     for (int i = 0; i < PARTS; ++i) {
       vi32 c = round_to_i32(part[i] * inv);
@@ -117,14 +121,14 @@ inline void quantize_row(const float* x, int64_t K, Group* out, int64_t groups) 
       c = c > top_code ? top_code : c;
       c = c < -top_code ? -top_code : c;
       const vi32 h = (c + 64) >> 7;  // floor: lo = c - 128 h in [-64, 63]
-      const vi8 hi = __builtin_convertvector(h, vi8), lo = __builtin_convertvector(c - (h << 7), vi8);
+      const vi8 hi = __builtin_convertvector(h, vi8), lo = __builtin_convertvector(c - h * 128, vi8);
       std::memcpy(reinterpret_cast<int8_t*>(q.hi) + i * VEC, &hi, VEC);
       std::memcpy(reinterpret_cast<int8_t*>(q.lo) + i * VEC, &lo, VEC);
       sum += c;
     }
     int32_t total = 0;
     for (int i = 0; i < VEC; ++i) total += sum[i];
-    q.scale = finite ? top / TOP : std::numeric_limits<float>::quiet_NaN();
+    q.scale = !finite ? std::numeric_limits<float>::quiet_NaN() : zero ? 0.0f : top / TOP;
     q.sum = static_cast<float>(total);
   }
 }
@@ -164,7 +168,7 @@ void tile(const Group* xq, const uint8_t* panel, const float* params, int64_t K4
         const Group& a = xq[r * groups + g];
         const vf scale = splat(a.scale), sum = splat(a.sum);
         for (int h = 0; h < 2; ++h) {
-          const vf dot = __builtin_convertvector((hi[j][r][h] << 7) + lo[j][r][h], vf);
+          const vf dot = __builtin_convertvector(hi[j][r][h] * 128 + lo[j][r][h], vf);
           acc[j][r][h] += scale * (s[h] * dot + m[h] * sum);
         }
       }

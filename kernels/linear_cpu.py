@@ -15,15 +15,17 @@ order (int8 without VNNI: of ``x * w``, w = q * s + m dequantized in float32; bf
 products per step, vdpbf16ps's rounding), or for int8 with VNNI (``int8_kernel``) exact integer sums per group of 32
 of the codes times x quantized per row and group to 15 bits (c = round(x * 16256 / max|x|)), each group's sum
 scaled and added in float32 in group order; then the bias, whatever the number of rows: a row's result does not
-depend on the rest of the batch. Threads: the work is split over the calling thread's OpenMP team (torch's), with the GIL
-released.
+depend on the rest of the batch. Threads: the work is split over the calling thread's OpenMP team (torch's), with
+the GIL released.
 
 int8 quantisation (``pack(weight, "int8")``): asymmetric, per group of ``INT8_GROUP`` = 32 consecutive inputs of
 an output row (the last group of a row may be shorter): ``q = round((W - m) / s)`` (round half to even) in
 [0, 255], stored as uint8, on whichever of two grids has the smaller largest error over the group (min/max on a
 tie): min/max, ``m = min W``, ``s = (max W - m) / 255``, or centred, ``s = max |W| / 127``, ``m = -128 s``; a group
-of equal weights gets s = 0. The weight multiplied is ``q * s + m`` in float32 (one rounding where the CPU fuses
-multiply-adds), which ``dequantize`` gives. A GGUF Q4_1 block of 32 (``d * q4 + m``, q4 in 0..15) comes back as
+of equal weights gets s = 0. The weight the FMA kernel multiplies is ``q * s + m`` in float32 (one rounding where
+the CPU fuses multiply-adds), which ``dequantize`` gives; the VNNI kernels never form it (they scale each group's
+integer sum of q times the quantized x by s and add m times the sum of x's codes), and ``q * s + m`` is the weight
+their result approximates the product with. A GGUF Q4_1 block of 32 (``d * q4 + m``, q4 in 0..15) comes back as
 q = 17 * q4 on the first grid, a Q8_0 block (``d * q8``) as q = q8 + 128 on the second, so a checkpoint dequantized
 from them (SmolLM2's) keeps its weights up to float32 rounding (see the .cpp).
 
@@ -92,12 +94,15 @@ class PackedWeight:
         scales: the int8 codes' ``[ceil(out_features / NR), ceil(in_features / 32), 2, NR]`` float32 group
             parameters (per panel and group of 32 inputs: the scales, then the minimums, of the panel's columns);
             None for float32 and bfloat16.
+        k_interleave: int8: the consecutive inputs of a channel stored together (1: FMA layout, 4: VNNI layout),
+            which the shapes alone cannot tell apart when in_features is a multiple of 4; 1 for the others.
     """
 
     panels: torch.Tensor
     scales: torch.Tensor | None
     out_features: int
     in_features: int
+    k_interleave: int = 1
 
     @property
     def format(self) -> str:
@@ -120,9 +125,9 @@ class CpuLinearKernels(CpuLibrary):
             the process its tile state), "avx512_bf16" (vdpbf16ps), "avx512_fma" (each pair widened to float32,
             FMAs: chosen without AMX where the FMA loop runs at least 1.5x vdpbf16ps's FLOP rate, measured once per
             process) or None (this CPU, or build, has none of them).
-        int8_kernel: (a property: the first int8 use builds linear_int8.cpp) what runs the int8 codes: "avx512_vnni" or "avx_vnni" (integer dot products, activations
-            quantized to 15 bits per group of 32, see linear_int8.cpp) or "fma" (weights dequantized to float32,
-            FMAs: CPUs without VNNI).
+        int8_kernel: (a property: the first int8 use builds linear_int8.cpp) what runs the int8 codes:
+            "avx512_vnni" or "avx_vnni" (integer dot products, activations quantized to 15 bits per group of 32,
+            see linear_int8.cpp) or "fma" (weights dequantized to float32, FMAs: CPUs without VNNI).
 
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
@@ -135,7 +140,7 @@ class CpuLinearKernels(CpuLibrary):
     def __init__(self, build_dir: str | os.PathLike):
         super().__init__(build_dir)
         self._build_dir, self._flags = Path(build_dir), list(self.FLAGS)  # the int8 library's, built later
-        self._int8_loaded = False
+        self._int8_interleave = 0  # linear_i8_k_interleave(), once the int8 kernels are loaded
         self.panel_width = int(self._fn["linear_panel_width"]())
         self.bf16_kernel = {2: "amx", 1: "avx512_bf16", 3: "avx512_fma"}.get(int(self._fn["linear_bf16_kernel"]()))
 
@@ -146,7 +151,7 @@ class CpuLinearKernels(CpuLibrary):
         Raises:
             CpuKernelUnavailable: linear_int8.cpp cannot be built or loaded, or disagrees with this wrapper.
         """
-        if self._int8_loaded:
+        if self._int8_interleave:
             return
         functions = load_functions(_INT8_SOURCE, self._build_dir, self._flags, _INT8_SIGNATURES)[1]
         layout = (functions["linear_i8_group"](), functions["linear_i8_panel_width"]())
@@ -154,7 +159,7 @@ class CpuLinearKernels(CpuLibrary):
             raise CpuKernelUnavailable(f"{_INT8_SOURCE.name} has groups and panels of {layout}, this wrapper "
                                        f"{(INT8_GROUP, self.panel_width)}")
         self._fn.update(functions)
-        self._int8_loaded = True
+        self._int8_interleave = int(functions["linear_i8_k_interleave"]())
 
     def entry_point(self, name: str):
         """As `CpuLibrary.entry_point`; the int8 ones load linear_int8.cpp first (`_load_int8`)."""
@@ -167,10 +172,6 @@ class CpuLinearKernels(CpuLibrary):
         """What runs the int8 codes (see the class docstring); loads the int8 kernels."""
         return {0: "fma", 1: "avx512_vnni", 2: "avx_vnni"}[int(self.entry_point("linear_i8_kernel")())]
 
-    @property
-    def _int8_interleave(self) -> int:
-        return int(self.entry_point("linear_i8_k_interleave")())
-
     def _int8_params_shape(self, n: int, k: int) -> tuple[int, ...]:
         return (-(-n // self.panel_width), -(-k // INT8_GROUP), 2, self.panel_width)
 
@@ -178,6 +179,7 @@ class CpuLinearKernels(CpuLibrary):
         if weight_format == "bfloat16":
             return (-(-n // self.panel_width), int(self._fn["linear_bf16_pairs"](k)), self.panel_width, 2)
         if weight_format == "int8":
+            self._load_int8()
             return (-(-n // self.panel_width), -(-k // self._int8_interleave) * self._int8_interleave,
                     self.panel_width)
         return (-(-n // self.panel_width), k, self.panel_width)
@@ -208,8 +210,9 @@ class CpuLinearKernels(CpuLibrary):
             return PackedWeight(panels, None, n, k)
         panels = torch.empty(shape, dtype=torch.uint8)
         scales = torch.empty(self._int8_params_shape(n, k), dtype=torch.float32)
-        self.entry_point("linear_pack_i8")(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(), scales.data_ptr())
-        return PackedWeight(panels, scales, n, k)
+        self.entry_point("linear_pack_i8")(weight.data_ptr(), n, k, weight.stride(0), panels.data_ptr(),
+                                           scales.data_ptr())
+        return PackedWeight(panels, scales, n, k, self._int8_interleave)
 
     def check_packed(self, packed: PackedWeight) -> None:
         """Raise ValueError unless `packed` is laid out as this library packs: contiguous CPU panels of its panel
@@ -228,12 +231,15 @@ class CpuLinearKernels(CpuLibrary):
                 raise ValueError("int8 panels need their group scales and minimums")
             check_cpu_tensor("scales", packed.scales, torch.float32,
                              self._int8_params_shape(packed.out_features, packed.in_features))
+            if packed.k_interleave != self._int8_interleave:
+                raise ValueError(f"int8 panels with {packed.k_interleave} inputs to a lane, this build's kernel "
+                                 f"({self.int8_kernel}) takes {self._int8_interleave}: pack the weight here")
         elif packed.scales is not None:
             raise ValueError(f"{packed.format} panels take no scales")
 
     def dequantize(self, packed: PackedWeight) -> torch.Tensor:
-        """The float32 ``[N, K]`` weight the packed panels multiply by (for int8: ``q * s + m`` rounded once, as
-        the kernel's fused multiply-add gives it; for bfloat16 the rounded weight, exactly)."""
+        """The float32 ``[N, K]`` weight the packed panels stand for (for int8: ``q * s + m`` rounded once, as the
+        FMA kernel's fused multiply-add gives it; for bfloat16 the rounded weight, exactly)."""
         n, k = packed.out_features, packed.in_features
         if packed.panels.dim() == 4:  # bfloat16 pairs: [panels, k / 2, NR, 2] -> [panels * NR, k / 2 * 2]
             return packed.panels.permute(0, 2, 1, 3).reshape(-1, packed.panels.shape[1] * 2)[:n, :k].float()
@@ -248,8 +254,8 @@ class CpuLinearKernels(CpuLibrary):
         return (weight.double() * params[..., 0] + params[..., 1]).float()
 
     def int8_codes(self, packed: PackedWeight) -> torch.Tensor:
-        """The int8 weight's codes as a uint8 ``[N, K]`` matrix, from this build's panel layout."""
-        panels, kq = packed.panels, self._int8_interleave
+        """The int8 weight's codes as a uint8 ``[N, K]`` matrix, read from the packed panels' layout."""
+        panels, kq = packed.panels, packed.k_interleave
         codes = panels.view(panels.shape[0], panels.shape[1] // kq, self.panel_width, kq).permute(0, 2, 1, 3)
         return codes.reshape(-1, panels.shape[1])[: packed.out_features, : packed.in_features]
 
@@ -288,7 +294,7 @@ class CpuLinearKernels(CpuLibrary):
                                    out.data_ptr(), out.stride(0), int(accumulate))
         else:
             self.entry_point("linear_i8")(x.data_ptr(), m, k, x.stride(0), packed.panels.data_ptr(),
-                                  packed.scales.data_ptr(), n, bias_ptr, out.data_ptr(), out.stride(0),
-                                  int(accumulate))
+                                          packed.scales.data_ptr(), n, bias_ptr, out.data_ptr(), out.stride(0),
+                                          int(accumulate))
         return out
 

@@ -16,16 +16,15 @@ Variants (same model, same process, interleaved rounds, one engine at a time):
 - ``onednn-bfloat16``: the torch modules in bfloat16 on oneDNN-packed weights (what bfloat16 ran before).
 
 Machine limits (`kernels/machine_limits.py`, measured before every round with the same threads, the best of the
-rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps,
-AMX and VNNI's vpdpbusd. Each variant's steps are then reported as fractions of their bounds: batch 1 against the bandwidth bound (the
-bytes of its packed projections and head / the read bandwidth: a batch-1 step streams its weights once; KV-cache
-reads at these contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul
-weights FLOP per token / the peak of the instruction the variant multiplies with: FMA for float32; for int8 half
-the vpdpbusd rate where the CPU has VNNI (each multiply-add of a 15-bit activation takes two u8 x s8 ones, see
+rounds kept): read-only and STREAM-triad bandwidth, and the register-only peaks of float32 FMA, vdpbf16ps, AMX and
+VNNI's vpdpbusd. Each variant's steps are then reported as fractions of their bounds: batch 1 against the bandwidth
+bound (the bytes of its packed projections and head / the read bandwidth: a batch-1 step streams its weights once;
+KV-cache reads at these contexts are under 1 % of that), batch 32 and prefill against the compute bound (2 x matmul
+weights FLOP per token / the peak of the instruction the variant multiplies with: FMA for float32; for int8 half the
+vpdpbusd rate where the CPU has VNNI (each multiply-add of a 15-bit activation takes two u8 x s8 ones, see
 kernels/int8_vnni.h), else FMA; for bfloat16 AMX where the CPU has it, else the faster of vdpbf16ps and FMA, since
-either can multiply bf16 panels). A
-prefill computes the LM head for its last token only, so its FLOP are 2 x the layers' weights per token plus 2 x
-the head's once; its rate is also reported in GFLOP/s. Attention, norms and
+either can multiply bf16 panels). A prefill computes the LM head for its last token only, so its FLOP are 2 x the
+layers' weights per token plus 2 x the head's once; its rate is also reported in GFLOP/s. Attention, norms and
 sampling count as overhead, so 100 % is out of reach.
 
 Each round builds each variant's engine (1 torch thread unless --threads), fills it with `batch` prompts of

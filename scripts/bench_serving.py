@@ -826,7 +826,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="our engine's dtype (default: --dtype); auto: the engine's own choice, recorded")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens, ours, vLLM's and llama.cpp's")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
-                        help="our engine's weights (int8: weight-only, groups of 32; float32 activations), for the "
+                        help="our engine's weights (int8: weight-only, groups of 32), for the "
                              "comparison with llama.cpp's Q4_1; the other peers keep --dtype")
     parser.add_argument("--vllm-omp-threads-bind", default="auto",
                         help="'auto': vLLM's default (keeps a core for its API server, as our engine's automatic "

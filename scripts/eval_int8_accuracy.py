@@ -6,8 +6,8 @@ Measured over 50 chat prompts (the model's chat template over the questions belo
   prompts whose completions are identical and the mean number of leading tokens they share;
 - logit error: transformers' model with the engine's dequantized int8 weights (q * s + m, what the int8 kernels
   multiply by; on CPUs with VNNI they also round each activation to 15 bits per group of 32, which this leaves out,
-  the greedy agreement above has it) against the float32 model, over every position of each prompt followed by the float32 completion (teacher forcing): max and mean
-  absolute logit difference, and how often the argmax differs;
+  the greedy agreement above has it) against the float32 model, over every position of each prompt followed by the
+  float32 completion (teacher forcing): max and mean absolute logit difference, and how often the argmax differs;
 - with --groups, instead: what other int8 grids give, simulated. transformers' float32 model with its projections
   and head quantized and dequantized in torch (`fake_quantize`: one grid per `group` consecutive inputs of an
   output row, as llama.cpp's Q8_0 / Q4_1 (32) and AWQ (128) group, 0 per channel; --schemes: symmetric,
@@ -204,7 +204,8 @@ def main() -> None:
             argmax_differs += int((a.argmax(-1) != b.argmax(-1)).sum())
     result = {
         "cpu": serving.cpu_info(), "model": MODEL.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
-        "int8_kernel": int8.runner.model.cpu_forward.linear.int8_kernel, "greedy_identical_completions": same, "greedy_agreement": same / len(prompts),
+        "int8_kernel": int8.runner.model.cpu_forward.linear.int8_kernel, "greedy_identical_completions": same,
+        "greedy_agreement": same / len(prompts),
         "mean_shared_leading_tokens": shared,
         "logit_max_abs_error": max_error, "logit_mean_abs_error": total_error / positions,
         "positions": positions, "argmax_differs_at_positions": argmax_differs,

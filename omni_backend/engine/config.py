@@ -60,8 +60,8 @@ class EngineConfig(SettingGroup):
     talker: bool = setting(False, "run the checkpoint's talker (codec tokens out of a thinker's reply: Qwen2.5-Omni) "
                            "instead of its language model; the talker stage's engine", operator=False)
     quantization: str = setting("none", "int8: weight-only int8 projections and output head, 8-bit codes with a "
-                                "float32 scale and minimum per 32 inputs of a row (CPU engines computing in "
-                                "float32; kernels/linear_int8.cpp)",
+                                "float32 scale and minimum per 32 inputs of a row (CPU engines of dtype float32; "
+                                "VNNI CPUs round the inputs to 15 bits per 32; kernels/linear_int8.cpp)",
                                 choices=QUANTIZATIONS)
     tensor_parallel_size: int = setting(1, "ranks that split the model's attention heads and MLP "
                                         "(engine/tensor_parallel.py): this process is rank 0 and spawns the others; "

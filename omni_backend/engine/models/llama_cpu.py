@@ -72,7 +72,8 @@ class CpuLlamaForward:
     Raises:
         ValueError: a model that is not float32 or bfloat16 on the CPU, a format that does not fit its dtype, or an
             unknown weight format.
-        kernels.cpu_library.CpuKernelUnavailable: "bfloat16" on a CPU without AVX512-BF16.
+        kernels.cpu_library.CpuKernelUnavailable: "bfloat16" on a CPU without AVX512-BF16; "int8" where the int8
+            kernels (their own library, built at the first int8 pack) cannot be built or loaded.
     """
 
     def __init__(self, model, linear: CpuLinearKernels, ops: CpuOps, decode_step: CpuDecodeStep | None,

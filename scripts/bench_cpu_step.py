@@ -100,6 +100,16 @@ def build_engine(variant: str, threads: int) -> LLMEngine:
         CpuLlamaForward.build = original
 
 
+def linear_kernel(engine: LLMEngine) -> str | None:
+    """What multiplies the engine's packed weights: the int8 or bfloat16 kernel of its C++ step (int8_kernel /
+    bf16_kernel of `CpuLinearKernels`), "float32", or None for the oneDNN variants."""
+    forward = getattr(engine.runner.model, "cpu_forward", None)
+    if forward is None:
+        return None
+    return {"int8": lambda: forward.linear.int8_kernel, "bfloat16": lambda: forward.linear.bf16_kernel}.get(
+        forward.weight_format, lambda: "float32")()
+
+
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int, seed: int) -> float:
     """Median ms of `steps` decode steps with `batch` sequences of about prompt_tokens tokens of context: by the
     clock and by the calling thread's CPU time (see the module docstring)."""
@@ -141,9 +151,11 @@ def machine_limits(threads: int) -> dict:
             **{f"peak_{name}_flops": limits.peak_flops(name) for name in PEAKS}}
 
 
-def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int, cpu: bool = False) -> dict:
+def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int, kernel: str | None,
+              cpu: bool = False) -> dict:
     """The row's decode steps and prefill (of `prefill_tokens` tokens) as fractions of their bounds, and the prefill's
-    GFLOP/s (see the module docstring); `cpu`: from the times in thread CPU time."""
+    GFLOP/s (see the module docstring); `kernel`: what ran the variant's matmuls (`linear_kernel`); `cpu`: from the
+    times in thread CPU time."""
     row = {k.replace("_cpu", ""): v for k, v in row.items() if ("_cpu" in k) == cpu}
     shape = LayerShape.of(hf_config)
     head = hf_config.vocab_size * hf_config.hidden_size
@@ -151,8 +163,8 @@ def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: 
     weights = layers + head
     if "bfloat16" in variant:
         peak = limits["peak_amx_bf16_flops"] or max(limits["peak_dot_bf16_flops"], limits["peak_fma_f32_flops"])
-    elif variant == "kernels-int8":  # kernels-int8-fma multiplies with FMAs
-        peak = limits.get("peak_dot_int8_flops", 0.0) / 2 or limits["peak_fma_f32_flops"]
+    elif kernel in ("avx512_vnni", "avx_vnni"):  # the int8 kernel the engine ran
+        peak = limits["peak_dot_int8_flops"] / 2
     else:
         peak = limits["peak_fma_f32_flops"]
     flop_per_token = 2 * weights
@@ -199,7 +211,7 @@ def main() -> None:
                 row[f"decode_ms_b{b}"], row[f"decode_cpu_ms_b{b}"] = decode_step_ms(
                     engine, b, args.prompt_tokens, args.steps, 100 * r + b)
             row["prefill_tok_s"], row["prefill_cpu_tok_s"] = prefill_tok_s(engine, args.prefill_tokens, r)
-            row["matmuls"] = engine.runner.matmuls
+            row["matmuls"], row["kernel"] = engine.runner.matmuls, linear_kernel(engine)
             hf_config = engine.runner.hf_config
             results[variant] = row
             print(f"round {r + 1} {variant:16s} " + " ".join(
@@ -218,9 +230,10 @@ def main() -> None:
                 f"{k} {base[k] / row[k] if k.startswith('decode') else row[k] / base[k]:.2f}x" for k in keys)
         print(f"{variant:16s} " + " ".join(f"{k} {row[k]:.1f}" for k in keys) + ratios)
     limits = {k: max(rd[k] for rd in measured_limits) for k in measured_limits[0]}  # the best each round saw
-    bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens)
+    kernels = {variant: rounds[0][variant]["kernel"] for variant in medians}
+    bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens, kernels[variant])
               for variant, row in medians.items()}
-    cpu_bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens, cpu=True)
+    cpu_bounds = {variant: fractions(variant, row, limits, hf_config, args.prefill_tokens, kernels[variant], cpu=True)
                   for variant, row in medians.items()}
     for name, table in (("the clock", bounds), ("thread CPU time", cpu_bounds)):
         print(f"\nfractions of the bounds by {name} (batch 1: bandwidth; batch 32 and prefill: compute):")
@@ -230,7 +243,8 @@ def main() -> None:
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / args.output
     out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "model": MODEL.name, "note": args.note,
-                               "limits": limits, "limits_by_round": measured_limits, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
+                               "limits": limits, "limits_by_round": measured_limits,
+                               "prompt_tokens": args.prompt_tokens, "steps": args.steps, "kernels": kernels,
                                "medians": medians, "bounds": bounds, "bounds_cpu_time": cpu_bounds, "rounds": rounds,
                                "argv": sys.argv[1:]},
                               indent=2) + "\n")

@@ -1,6 +1,7 @@
 """The code's structure, checked: no import cycles, no import running up a layer, every setting declared once,
 every Triton tensor name and the operator's header spelt only in the vocabulary, every architecture named only in
-the model registry and listed with its equivalence tests in docs/architecture.md.
+the model registry and listed with its equivalence tests in docs/architecture.md, every Python model's finalize
+ending in release_python_objects.
 
 Layers, lowest first (a module may import its own layer and those below, never one above):
 
@@ -372,3 +373,55 @@ def test_every_registered_architecture_has_its_equivalence_tests_in_the_docs():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert {line for line in out.stdout.splitlines() if "::" in line} == set(ids)
+
+
+def _releases_in_finally(function: ast.FunctionDef) -> bool:
+    """Whether `function` calls release_python_objects in the `finally` of a try (so a failing shutdown still
+    releases)."""
+    return any(isinstance(node, ast.Try) and any(
+        isinstance(call, ast.Call) and getattr(call.func, "id", "") == "release_python_objects"
+        for statement in node.finalbody for call in ast.walk(statement)) for node in ast.walk(function))
+
+
+def _finalize_of(class_node: ast.ClassDef, imports: dict[str, str]) -> ast.FunctionDef | None:
+    """The finalize a model.py class runs: its own, else the first one up its bases (classes of omni_backend)."""
+    for node in class_node.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "finalize":
+            return node
+    for base in class_node.bases:
+        module = imports.get(getattr(base, "id", ""))
+        if module is None:
+            continue
+        source = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        tree = ast.parse(source.read_text())
+        module_imports = {alias.asname or alias.name: node.module for node in ast.walk(tree)
+                          if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == base.id:
+                found = _finalize_of(node, {**module_imports, **{c.name: module for c in tree.body
+                                                                 if isinstance(c, ast.ClassDef)}})
+                if found is not None:
+                    return found
+    return None
+
+
+def test_every_python_model_releases_its_objects_when_it_finalizes():
+    """tritonserver 2.51's stub segfaults destroying a pb_utils.MetricFamily left for the interpreter's exit
+    (python_backend#429); every model.py's finalize ends in triton_glue.release_python_objects, in a finally."""
+    models = sorted(ROOT.glob("model_repository/*/1/model.py"))
+    assert models
+    for path in models:
+        tree = ast.parse(path.read_text())
+        imports = {alias.asname or alias.name: node.module for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+        model = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel")
+        finalize = _finalize_of(model, imports)
+        assert finalize is not None and _releases_in_finally(finalize), f"{path}: finalize without release"
+
+
+def test_the_release_check_sees_a_finalize_without_it():
+    tree = ast.parse("def finalize(self):\n    try:\n        stop()\n    finally:\n        log()\n")
+    assert not _releases_in_finally(tree.body[0])
+    tree = ast.parse("def finalize(self):\n    try:\n        stop()\n"
+                     "    finally:\n        release_python_objects(self)\n")
+    assert _releases_in_finally(tree.body[0])

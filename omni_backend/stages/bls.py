@@ -21,8 +21,8 @@ from typing import Generator
 import numpy as np
 
 from omni_backend.stages.entry_points import EntryPoint, StageFailure, Steps
-from omni_backend.stages.triton_glue import (Retired, StreamSender, request_arrays, start_heartbeat,
-                                             string_parameters)
+from omni_backend.stages.triton_glue import (Retired, StreamSender, release_python_objects, request_arrays,
+                                             start_heartbeat, string_parameters)
 from omni_backend.vocabulary import StageError
 
 
@@ -102,5 +102,8 @@ class EntryPointModel:
             self.entry.submit(arrays, client, request.request_id())
 
     def finalize(self) -> None:
-        self.heartbeat.stop()
-        self.entry.shutdown()
+        try:
+            self.heartbeat.stop()
+            self.entry.shutdown()
+        finally:
+            release_python_objects(self)

@@ -139,8 +139,10 @@ class StageModel:
         return respond_each(self.pb_utils, requests, self.input_names(), self.run, self.NAME)
 
     def finalize(self) -> None:
-        self.heartbeat.stop()
-        release_python_objects(self)
+        try:
+            self.heartbeat.stop()
+        finally:
+            release_python_objects(self)
 
 
 RETIRE_AFTER_S = 5.0  # those other threads let go within milliseconds

@@ -42,7 +42,9 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        if self.dynamo is not None:  # Dynamo drains its requests before the engine's threads stop
-            self.dynamo.stop()
-        self.service.shutdown()
-        release_python_objects(self)
+        try:
+            if self.dynamo is not None:  # Dynamo drains its requests before the engine's threads stop
+                self.dynamo.stop()
+            self.service.shutdown()
+        finally:
+            release_python_objects(self)

@@ -55,5 +55,7 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, exc, "media_embed"))
 
     def finalize(self):
-        self.heartbeat.stop()
-        release_python_objects(self)
+        try:
+            self.heartbeat.stop()
+        finally:
+            release_python_objects(self)

@@ -36,6 +36,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.heartbeat.stop()
-        self.worker.shutdown()
-        release_python_objects(self)
+        try:
+            self.heartbeat.stop()
+            self.worker.shutdown()
+        finally:
+            release_python_objects(self)

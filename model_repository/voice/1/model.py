@@ -41,7 +41,9 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.heartbeat.stop()
-        if self.worker is not None:
-            self.worker.shutdown()
-        release_python_objects(self)
+        try:
+            self.heartbeat.stop()
+            if self.worker is not None:
+                self.worker.shutdown()
+        finally:
+            release_python_objects(self)

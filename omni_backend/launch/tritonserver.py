@@ -177,10 +177,15 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
-        """True when the server answers `GET /v2/health/ready` with 200 (all models loaded)."""
+        """True when the server answers `GET /v2/health/ready` with 200 (all models loaded) and its metrics page
+        answers too: tritonserver opens the metrics port after the HTTP one, and a caller reading the metrics right
+        after a start was refused the connection."""
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
+            for url in (f"http://{self.http_url}/v2/health/ready", self.metrics_url):
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status != 200:
+                        return False
+            return True
         except (urllib.error.URLError, OSError):
             return False
 

@@ -44,7 +44,11 @@ def release_python_objects(model) -> None:
     """Drop every attribute of `model` (a `TritonPythonModel`) and collect garbage, at the end of its `finalize`:
     Triton metric families (`pb_utils.MetricFamily`) left for the interpreter's shutdown are destroyed after the
     stub's own state and segfault it in `Metric::Clear` (triton-inference-server/python_backend#429, fixed after
-    Triton 2.51); destroyed here, while the stub is whole, they unregister cleanly."""
+    Triton 2.51); destroyed here, while the stub is whole, they unregister cleanly. So are the response senders a
+    `Retired` of the model still holds (`Retired.release`): freed at exit, they segfaulted the stub in the
+    deleter of their `IsCancelledMessage`, a mutex in shared memory already unmapped."""
+    for retired in [value for value in vars(model).values() if isinstance(value, Retired)]:
+        retired.release()  # the loop variable ends on an emptied Retired, not on an attribute gc must free
     model.__dict__.clear()
     gc.collect()
 
@@ -146,6 +150,7 @@ class StageModel:
 
 
 RETIRE_AFTER_S = 5.0  # those other threads let go within milliseconds
+RELEASE_AFTER_S = 0.5  # at finalize no request is in flight: the last sender's thread is done well within this
 
 
 class Retired:
@@ -163,12 +168,22 @@ class Retired:
     def add(self, item) -> None:
         self._items.append((time.monotonic(), item))
 
+    def release(self) -> None:
+        """Free every object now, once the newest is RELEASE_AFTER_S old (a model's finalize: its requests are
+        over, and the stub's shared memory must still be there when the senders free theirs)."""
+        if self._items:
+            time.sleep(max(0.0, self._items[-1][0] + RELEASE_AFTER_S - time.monotonic()))
+        self._items.clear()
+
     def _loop(self) -> None:
         while True:
             time.sleep(1.0)
             cutoff = time.monotonic() - RETIRE_AFTER_S
-            while self._items and self._items[0][0] < cutoff:
-                self._items.popleft()
+            try:
+                while self._items[0][0] < cutoff:
+                    self._items.popleft()
+            except IndexError:  # empty, or emptied by `release`
+                pass
 
 
 class StreamSender:

@@ -100,16 +100,6 @@ def build_engine(variant: str, threads: int) -> LLMEngine:
         CpuLlamaForward.build = original
 
 
-def linear_kernel(engine: LLMEngine) -> str | None:
-    """What multiplies the engine's packed weights: the int8 or bfloat16 kernel of its C++ step (int8_kernel /
-    bf16_kernel of `CpuLinearKernels`), "float32", or None for the oneDNN variants."""
-    forward = getattr(engine.runner.model, "cpu_forward", None)
-    if forward is None:
-        return None
-    return {"int8": lambda: forward.linear.int8_kernel, "bfloat16": lambda: forward.linear.bf16_kernel}.get(
-        forward.weight_format, lambda: "float32")()
-
-
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int, seed: int) -> float:
     """Median ms of `steps` decode steps with `batch` sequences of about prompt_tokens tokens of context: by the
     clock and by the calling thread's CPU time (see the module docstring)."""
@@ -154,8 +144,8 @@ def machine_limits(threads: int) -> dict:
 def fractions(variant: str, row: dict, limits: dict, hf_config, prefill_tokens: int, kernel: str | None,
               cpu: bool = False) -> dict:
     """The row's decode steps and prefill (of `prefill_tokens` tokens) as fractions of their bounds, and the prefill's
-    GFLOP/s (see the module docstring); `kernel`: what ran the variant's matmuls (`linear_kernel`); `cpu`: from the
-    times in thread CPU time."""
+    GFLOP/s (see the module docstring); `kernel`: the C++ step's microkernel (`ModelRunner.matmul_kernel`, None for
+    oneDNN); `cpu`: from the times in thread CPU time."""
     row = {k.replace("_cpu", ""): v for k, v in row.items() if ("_cpu" in k) == cpu}
     shape = LayerShape.of(hf_config)
     head = hf_config.vocab_size * hf_config.hidden_size
@@ -211,7 +201,7 @@ def main() -> None:
                 row[f"decode_ms_b{b}"], row[f"decode_cpu_ms_b{b}"] = decode_step_ms(
                     engine, b, args.prompt_tokens, args.steps, 100 * r + b)
             row["prefill_tok_s"], row["prefill_cpu_tok_s"] = prefill_tok_s(engine, args.prefill_tokens, r)
-            row["matmuls"], row["kernel"] = engine.runner.matmuls, linear_kernel(engine)
+            row["matmuls"], row["kernel"] = engine.runner.matmuls, engine.runner.matmul_kernel or None
             hf_config = engine.runner.hf_config
             results[variant] = row
             print(f"round {r + 1} {variant:16s} " + " ".join(

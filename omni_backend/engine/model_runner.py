@@ -74,6 +74,7 @@ class ModelRunner:
             "cpu-kernels-bfloat16" (the C++ kernels of kernels/linear_cpu.py, through the CPU step the registry
             names; bfloat16 where the CPU has AVX512-BF16), "onednn-packed" (CPU: float16, bfloat16 without
             AVX512-BF16, or a model without a CPU step), "torch" (GPUs, and CPUs where neither is available).
+        matmul_kernel: the C++ step's microkernel (`CpuLlamaForward.kernel`), "" when the C++ step does not run.
         fallback_reason: why the attention backend or the matmuls are not the ones chosen first ("" when they
             are; both reasons joined by "; ").
         dtype: the torch dtype of weights and KV cache; dtype_reason: why (configured, by device, or measured:
@@ -210,7 +211,7 @@ class ModelRunner:
         model = self.model_class.build(self.hf_config, self.attention, max_positions, self.shard, self.dtype,
                                        self.device.torch_device, self.config.model_path,
                                        self.architecture.weight_prefixes)
-        self.matmuls = "torch"
+        self.matmuls, self.matmul_kernel = "torch", ""
         if not self.device.is_cuda:
             self._use_cpu_matmuls(model)
         return model.eval()
@@ -248,9 +249,9 @@ class ModelRunner:
                 self.fallback_reason = "; ".join(filter(None, [self.fallback_reason, f"cpu matmul kernels: {exc}"]))
             else:
                 model.use_cpu_kernels(forward)
-                self.matmuls = f"cpu-kernels-{forward.weight_format}"
-                logger.info("CPU matmuls: C++ kernels, %s weights (%.0f MiB packed)", forward.weight_format,
-                            forward.weight_bytes / 2**20)
+                self.matmuls, self.matmul_kernel = f"cpu-kernels-{forward.weight_format}", forward.kernel
+                logger.info("CPU matmuls: C++ kernels, %s weights (%.0f MiB packed, %s microkernel)",
+                            forward.weight_format, forward.weight_bytes / 2**20, forward.kernel)
                 return
         if cpu_linear.packing_available(self.dtype):
             model.pack_for_cpu(self.config.max_num_seqs)

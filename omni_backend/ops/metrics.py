@@ -40,12 +40,14 @@ loop and the response thread only append plain records, and `LLMService`'s metri
                                                    batch sizes: an observation per step would be an IPC call each)
     omni_attention_backend{backend}     gauge      1 for the attention backend in use
     omni_runtime_info{torch,cuda_runtime,cuda_driver,triton,attention_backend,attention_reason,matmuls,
-                      fallback_reason,dtype,dtype_reason}
+                      matmul_kernel,fallback_reason,dtype,dtype_reason}
                                         gauge      1; the versions the engine runs with (cuda_driver: the CUDA
                                                    version the driver supports, from NVML), its attention backend
                                                    and why the selector chose it (engine/attention/selector.py),
                                                    what runs its matmuls (ModelRunner.matmuls: cpu-kernels-float32,
-                                                   cpu-kernels-int8, cpu-kernels-bfloat16, onednn-packed, torch) and
+                                                   cpu-kernels-int8, cpu-kernels-bfloat16, onednn-packed, torch)
+                                                   and its microkernel (ModelRunner.matmul_kernel, e.g. fma,
+                                                   avx512_vnni, avx512_fma, amx; "" without the C++ step) and
                                                    why its attention backend or matmuls are not the first choice
                                                    ("" when they are), its dtype and why (configured, by device,
                                                    or measured on this CPU: engine/cpu_dtype.py)
@@ -143,7 +145,8 @@ class LLMMetrics:
         attention_backend: name for the `omni_attention_backend` gauge.
         device: the engine's device, the `device` label ("cpu", "cuda:0", ...).
         runtime_info: label values of `omni_runtime_info` (ops.hardware.runtime_versions plus attention_backend,
-            attention_reason, matmuls, fallback_reason, dtype and dtype_reason); None: the gauge is not published.
+            attention_reason, matmuls, matmul_kernel, fallback_reason, dtype and dtype_reason); None: the gauge is
+            not published.
         engine_index: the engine's index among the server's llm engines (llm/parameters.place_instance), the `engine`
             label of the vLLM-named metrics (ops/standard_metrics.py).
     """

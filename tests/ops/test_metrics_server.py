@@ -164,6 +164,9 @@ def test_metrics_page_has_every_family_with_plausible_values(governed_server):
         info.update(fallback_reason="", attention_reason="auto: CPU device (C++ paged decode kernel; Triton kernels "
                                                          "only under TRITON_INTERPRET=1)")
     assert value(after, "omni_runtime_info", **info) == 1
+    [labels] = [got for got, _ in after["omni_runtime_info"]]
+    want_kernels = {"cpu-kernels-float32": {"fma"}, "cpu-kernels-bfloat16": {"amx", "avx512_bf16", "avx512_fma"}}
+    assert labels["matmul_kernel"] in want_kernels.get(info["matmuls"], {""}), labels
     assert "omni_oom_recoveries_total" in after and delta("omni_oom_recoveries_total") == 0
     # governor and GPU readings (the fake GPU: 120 W of 300, 50 C)
     gpu = server.fake_gpu

@@ -111,6 +111,14 @@ class CpuLlamaForward:
         return cls(model, CpuLinearKernels(build_dir), CpuOps(build_dir), CpuDecodeStep(build_dir), weight_format)
 
     @property
+    def kernel(self) -> str:
+        """The microkernel the packed weights run on: float32 "fma"; int8 `CpuLinearKernels.int8_kernel` ("fma",
+        "avx512_vnni", "avx_vnni"); bfloat16 `CpuLinearKernels.bf16_kernel` ("amx", "avx512_bf16", "avx512_fma")."""
+        if self.weight_format == "int8":
+            return self.linear.int8_kernel
+        return self.linear.bf16_kernel if self.weight_format == "bfloat16" else "fma"
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of the packed projections and head."""
         packed = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -90,8 +90,9 @@ def _wrap(engine: LLMEngine, parsed: StageParameters, pb_utils, model: str, vers
         versions = runtime_versions()
         info = {key: versions[key] for key in ("torch", "cuda_runtime", "cuda_driver", "triton")}
         info.update(attention_backend=runner.attention_backend, attention_reason=runner.attention_reason,
-                    matmuls=runner.matmuls, fallback_reason=runner.fallback_reason,
-                    dtype=str(runner.dtype).removeprefix("torch."), dtype_reason=runner.dtype_reason)
+                    matmuls=runner.matmuls, matmul_kernel=runner.matmul_kernel,
+                    fallback_reason=runner.fallback_reason, dtype=str(runner.dtype).removeprefix("torch."),
+                    dtype_reason=runner.dtype_reason)
         metrics = LLMMetrics(pb_utils, model, version, runner.attention_backend, str(runner.device.torch_device),
                              info, engine_index)
     probe, exit_timeout_s = parent_server_probe() if pb_utils is not None else (None, None)

@@ -89,22 +89,34 @@ def default_rendering(messages: list[dict], tools: list[dict] | None,
     for message in out:
         calls = message.pop("tool_calls", None)
         message.pop("tool_call_id", None)
+        parts = isinstance(message.get("content"), list)  # a multimodal template's content parts
         if calls:
             written = [_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-            message["content"] = "\n".join(([message["content"]] if message.get("content") else []) + written)
+            message["content"] = _around_parts(message["content"], "", "\n".join(written)) if parts else \
+                "\n".join(([message["content"]] if message.get("content") else []) + written)
         if message["role"] == "tool":
             message["role"] = "user"
-            message["content"] = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            message["content"] = _around_parts(message["content"], "<tool_response>", "</tool_response>") if parts \
+                else f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
         if message.get("content") is None:
             message["content"] = ""
     if tools:
         listed = "\n".join(json.dumps(_marked(t, as_text), ensure_ascii=False) for t in tools)
         system = _INSTRUCTIONS.format(tools=listed)
         if out and out[0]["role"] == "system":
-            out[0]["content"] = f"{out[0]['content']}\n\n{system}"
+            content = out[0]["content"]
+            out[0]["content"] = _around_parts(content, "", f"\n{system}") if isinstance(content, list) else \
+                f"{content}\n\n{system}"
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+def _around_parts(parts: list[dict], before: str, after: str) -> list[dict]:
+    """A multimodal template's content parts with text parts `before` and `after` them (where not empty); the
+    template joins parts as it joins a message's text parts (SmolVLM's: on new lines)."""
+    return ([{"type": "text", "text": before}] if before else []) + parts + \
+        ([{"type": "text", "text": after}] if after else [])
 
 
 def _call_text(name: str, arguments: Any) -> str:

@@ -94,3 +94,25 @@ def test_tools_need_a_messages_prompt(tokenizer):
               "tools": np.array([json.dumps([WEATHER]).encode()], dtype=np.object_)}
     with pytest.raises(FieldError, match="tools applies to a messages array only"):
         Preprocessor(tokenizer, 2048).run(arrays)
+
+
+def test_tool_calls_and_results_with_content_parts_are_written_as_parts():
+    """A multimodal template's messages carry lists of content parts (chat_messages.parse_chat keep_parts): tool
+    calls, tool results and the tools' system text are added as text parts, not joined into a string (a
+    TypeError, a 500 found by the schema fuzzer)."""
+    from omni_backend.stages.tool_prompt import default_rendering
+
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
+                 "tool_calls": [{"type": "function", "id": "c1",
+                                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"}]}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    system, assistant, tool = default_rendering(messages, tools, str)
+    assert system["content"][0] == {"type": "text", "text": "Be brief."} and len(system["content"]) == 2
+    assert '"name": "get_weather"' in system["content"][1]["text"]
+    assert assistant["content"] == [{"type": "text", "text": "Checking."}, {"type": "text", "text": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')}]
+    assert tool == {"role": "user", "content": [{"type": "text", "text": "<tool_response>"},
+                                                {"type": "text", "text": "sunny"},
+                                                {"type": "text", "text": "</tool_response>"}]}

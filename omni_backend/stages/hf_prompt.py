@@ -57,8 +57,8 @@ class ProcessorPrompt:
         self._added = added_around(self.processor.tokenizer)
 
     def render(self, messages: list[dict], media: list, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> tuple[list[int], list[dict], np.ndarray,
-                                                              dict[str, np.ndarray]]:
+               continue_final_message: bool = False, tools: list[dict] | None = None
+               ) -> tuple[list[int], list[dict], np.ndarray, dict[str, np.ndarray]]:
         """Token ids and media outputs of a chat: the ids the processor gives for the rendered chat, except that
         the client's marked strings are text.
 
@@ -67,7 +67,7 @@ class ProcessorPrompt:
                 the client's strings marked (`chat.mark`).
             media: the decoded media of the chat's media parts in order: RGB `PIL.Image`s or float32 samples
                 at `sampling_rate`.
-            add_generation_prompt, continue_final_message: as `ChatTemplate.render` takes them.
+            add_generation_prompt, continue_final_message, tools: as `ChatTemplate.render` takes them.
 
         Returns:
             (ids, parts, positions, items): one `{"kind", "tokens", "items"[, "frames"]}` per media part, the
@@ -80,7 +80,7 @@ class ProcessorPrompt:
             ValueError: the processor's expansion disagrees with its items (a processor this module does not know),
                 or the template wrote another number of media placeholders than there are media parts.
         """
-        text = self.chat.render(messages, add_generation_prompt, continue_final_message)
+        text = self.chat.render(messages, add_generation_prompt, continue_final_message, tools)
         encoded = {}
         if media:
             # The processor expands its placeholder in a text of placeholders only, so that the client's text

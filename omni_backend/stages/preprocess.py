@@ -181,7 +181,7 @@ class Preprocessor:
             raise FieldError(T.TEXT_INPUT, "is a messages array, but this model's tokenizer has no chat template: "
                              "send text_input as plain text")
         if self.media is not None and self.media.prompt is not None:
-            return self._processor_messages(text, add_generation_prompt, continue_final_message)
+            return self._processor_messages(text, add_generation_prompt, continue_final_message, tools)
         marker = self._marker if self.media is not None else None
         messages, media = parse_chat(text, marker, as_text=self.chat.mark)
         check_template_flags(messages, add_generation_prompt, continue_final_message)
@@ -202,8 +202,8 @@ class Preprocessor:
                 ids.extend([token_id] * item["tokens"])
         return ids, media_outputs(media, self.media.specs) if media else {}
 
-    def _processor_messages(self, text: str, add_generation_prompt: bool,
-                            continue_final_message: bool) -> tuple[list[int], dict[str, np.ndarray]]:
+    def _processor_messages(self, text: str, add_generation_prompt: bool, continue_final_message: bool,
+                            tools: list[dict] | None) -> tuple[list[int], dict[str, np.ndarray]]:
         """`tokenize_messages` through a multimodal checkpoint's own processor (`hf_prompt.ProcessorPrompt`).
         Parts of a kind the checkpoint does not read go to a project encoder (`MediaConfig.specs`), written into
         the messages as runs of its placeholder token (after the client's text was marked: these are control
@@ -229,7 +229,8 @@ class Preprocessor:
             except ValueError as exc:  # media.py's messages start with the label it was given
                 raise FieldError(item["field"], str(exc).removeprefix(item["field"] + " ")) from None
         try:
-            ids, parts, positions, items = prompt.render(messages, own, add_generation_prompt, continue_final_message)
+            ids, parts, positions, items = prompt.render(messages, own, add_generation_prompt, continue_final_message,
+                                                         tools)
         except FieldError:
             raise
         except ValueError as exc:

@@ -84,12 +84,15 @@ def tool_call_fields(message: dict, where: str, as_text: Callable[[str], str]) -
 def default_rendering(messages: list[dict], tools: list[dict] | None,
                       as_text: Callable[[str], str]) -> list[dict]:
     """The messages with tools, tool calls and tool results written as plain text (module docstring), for a
-    template without tool support."""
+    template without tool support. Where the contents are lists of parts (a multimodal checkpoint's template,
+    chat_messages.parse_chat keep_parts), what is written goes in as text parts and a new system message is one."""
     out = [dict(m) for m in messages]
+    parts = any(isinstance(m.get("content"), list) for m in out)
     for message in out:
         calls = message.pop("tool_calls", None)
         message.pop("tool_call_id", None)
-        parts = isinstance(message.get("content"), list)  # a multimodal template's content parts
+        if parts and not isinstance(message.get("content"), list):
+            message["content"] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
         if calls:
             written = [_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
             message["content"] = _around_parts(message["content"], "", "\n".join(written)) if parts else \
@@ -105,10 +108,9 @@ def default_rendering(messages: list[dict], tools: list[dict] | None,
         system = _INSTRUCTIONS.format(tools=listed)
         if out and out[0]["role"] == "system":
             content = out[0]["content"]
-            out[0]["content"] = _around_parts(content, "", f"\n{system}") if isinstance(content, list) else \
-                f"{content}\n\n{system}"
+            out[0]["content"] = _around_parts(content, "", f"\n{system}") if parts else f"{content}\n\n{system}"
         else:
-            out.insert(0, {"role": "system", "content": system})
+            out.insert(0, {"role": "system", "content": [{"type": "text", "text": system}] if parts else system})
     return out
 
 

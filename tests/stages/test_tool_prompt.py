@@ -116,3 +116,18 @@ def test_tool_calls_and_results_with_content_parts_are_written_as_parts():
     assert tool == {"role": "user", "content": [{"type": "text", "text": "<tool_response>"},
                                                 {"type": "text", "text": "sunny"},
                                                 {"type": "text", "text": "</tool_response>"}]}
+
+
+def test_a_processor_templated_model_shows_the_tools_too():
+    """A multimodal checkpoint's chat (its processor's template, hf_prompt.ProcessorPrompt) gets the tools as a
+    text model's does: they were dropped without a word."""
+    from omni_backend.setup import tiny_multimodal
+
+    preprocessor = Preprocessor.from_parameters({"llm_model_path": str(tiny_multimodal.default_vlm_dir()),
+                                                 "max_model_len": "512"})
+    assert preprocessor.media is not None and preprocessor.media.prompt is not None
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    ids, _ = preprocessor.tokenize_messages(json.dumps(messages), tools=tools)
+    text = preprocessor.tokenizer.decode(ids)
+    assert '"name": "get_weather"' in text and "Weather in Paris?" in text

@@ -189,13 +189,13 @@ class Qwen2_5OmniPrompt(ProcessorPrompt):
         return sample_frames(total, video_fps, v.fps, v.min_frames, v.max_frames, v.temporal_patch_size)
 
     def render(self, messages: list[dict], media: list, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> tuple[list[int], list[dict], np.ndarray,
-                                                              dict[str, np.ndarray]]:
+               continue_final_message: bool = False, tools: list[dict] | None = None
+               ) -> tuple[list[int], list[dict], np.ndarray, dict[str, np.ndarray]]:
         """`ProcessorPrompt.render` for images (RGB `PIL.Image`), clips (float32 samples at `sampling_rate`) and
         videos (`media.DecodedVideo`, its `audio` set when the part asks for its track) in message order. The items
         are `pixel_values` [vision items, rows, cols, width] (zero-padded; each part's `size` is its own [rows, cols]),
         `input_features` [clips, mel bins, frames] (to the longest clip's frames) and `prompt_positions` [3, n]."""
-        text = self.chat.render(messages, add_generation_prompt, continue_final_message)
+        text = self.chat.render(messages, add_generation_prompt, continue_final_message, tools)
         kinds = [part["type"] for message in messages if isinstance(message["content"], list)
                  for part in message["content"] if part.get("type") in self.kinds]
         if len(kinds) != len(media):

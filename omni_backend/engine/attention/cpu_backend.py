@@ -1,6 +1,8 @@
 """The cpu backend (the CPU default): decode attention through the C++ kernel of `kernels/paged_decode_cpu.py`
-(built on first use), which reads each sequence's K/V in place from its blocks; `store` and prefill through the
-torch references, as the torch backend runs them.
+(built on first use), which reads each sequence's K/V in place from its blocks; prefill with float32 queries (the
+C++ CPU step's, and float32 models') through the C++ kernel of `kernels/paged_prefill_cpu.py`, other prefills
+(bfloat16 queries, shapes it does not take) and `store` through the torch references, as the torch backend runs
+them.
 
 A fused CPU step (kernels/cpu_decode_step.py) calls the same kernel for its decode rows from C++: it takes it
 from `cpu_decode_kernel`, so it runs only with this backend.
@@ -11,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_decode_cpu import CpuPagedDecode
+from kernels.paged_prefill_cpu import CpuPagedPrefill
 from omni_backend.engine.attention.interface import AttentionMetadata
 from omni_backend.engine.attention.torch_backend import TorchAttention
 
 
 class CpuAttention(TorchAttention):
-    """`AttentionBackend` with the C++ decode kernel (see the module docstring).
+    """`AttentionBackend` with the C++ decode and prefill kernels (see the module docstring).
 
     Args:
         scale: softmax scale.
@@ -24,7 +27,7 @@ class CpuAttention(TorchAttention):
 
     Raises:
         ValueError: no `kernel_build_dir`.
-        kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here.
+        kernels.cpu_library.CpuKernelUnavailable: a kernel cannot be built or loaded here.
     """
 
     name = "cpu"
@@ -34,6 +37,7 @@ class CpuAttention(TorchAttention):
         if kernel_build_dir is None:
             raise ValueError("the cpu attention backend needs kernel_build_dir")
         self._kernel = CpuPagedDecode(kernel_build_dir)
+        self._prefill_kernel = CpuPagedPrefill(kernel_build_dir)
 
     @property
     def cpu_decode_kernel(self) -> CpuPagedDecode:
@@ -41,3 +45,9 @@ class CpuAttention(TorchAttention):
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self._kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if not self._prefill_kernel.supports(q, k_cache):
+            return super().prefill(q, k_cache, v_cache, meta)
+        return self._prefill_kernel(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                                    meta.prefill_context_lens, self.scale)

@@ -1,6 +1,6 @@
 // Register-only arithmetic loops shared by the C++ CPU kernels of kernels/ (header-only; cpu_library.py hashes it
-// with each source): machine_limits.cpp times them as the machine's peaks, linear_cpu.cpp to choose how it
-// multiplies bfloat16 panels on a CPU without AMX.
+// with each source): machine_limits.cpp times them as the machine's peaks; linear_cpu.cpp (bfloat16 panels on a
+// CPU without AMX) and paged_prefill_cpu.cpp (bfloat16 K/V) choose by `fma_outruns_dot_bf16` how they multiply.
 //
 // Each loop keeps CHAINS independent accumulators in flight, enough to cover the instruction's latency (FMA: 4
 // cycles x 2 units -> 8 chains, 12 used; vdpbf16ps likewise), with the operands pinned in registers by an empty asm
@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 
 #include "cpu_simd.h"
@@ -49,6 +51,27 @@ inline double dot_bf16_loop(int64_t iters) {
   for (int i = 0; i < CHAINS; ++i) sink += _mm512_reduce_add_ps(acc[i]);
   __asm__ volatile("" : : "x"(sink));
   return 4.0 * 16 * CHAINS * iters;
+}
+
+// Whether the float32 FMA loop's FLOP rate is at least 1.5x vdpbf16ps's here (then bfloat16 operands are better
+// widened to float32 and multiplied with FMAs: one vdpbf16ps per 2 cycles on the Intel Xeons measured, one per
+// cycle on the AMD EPYC, docs/benchmarks.md). Each loop's best of 5 runs of about 0.1-0.5 ms, interleaved, so that
+// a moment of load on a shared machine does not decide; the margin keeps a CPU where they are close on vdpbf16ps.
+// Measured once per library and process.
+inline bool fma_outruns_dot_bf16() {
+  static const bool outruns = [] {
+    double dot = 0.0, fma = 0.0;
+    for (int i = 0; i < 5; ++i) {
+      for (const bool is_dot : {true, false}) {
+        const auto start = std::chrono::steady_clock::now();
+        const double flop = is_dot ? dot_bf16_loop(1 << 14) : fma_f32_loop(1 << 14);
+        const double rate = flop / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        (is_dot ? dot : fma) = std::max(is_dot ? dot : fma, rate);
+      }
+    }
+    return fma >= 1.5 * dot;
+  }();
+  return outruns;
 }
 #endif
 

@@ -39,7 +39,6 @@
 // torch.set_num_threads); with one thread it runs on the caller.
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -285,21 +284,10 @@ void run_amx(const Bf16Pair* x, int64_t M, int64_t K, const Bf16Pair* packed, in
 }
 #endif
 
-// Without AMX: 3 (widened pairs and FMAs) where the FMA loop's FLOP rate is at least 1.5x vdpbf16ps's, else 1
-// (vdpbf16ps); each loop's best of 5 runs of about 0.1-0.5 ms, interleaved, so that a moment of load on a shared
-// machine does not decide, and the margin keeps a CPU where they are close on vdpbf16ps.
+// Without AMX: 3 (widened pairs and FMAs) where omni::fma_outruns_dot_bf16 (cpu_peaks.h), else 1 (vdpbf16ps).
 int measured_bf16_kernel() {
 #if defined(__AVX512BF16__)
-  double dot = 0.0, fma = 0.0;
-  for (int i = 0; i < 5; ++i) {
-    for (const bool is_dot : {true, false}) {
-      const auto start = std::chrono::steady_clock::now();
-      const double flop = is_dot ? omni::dot_bf16_loop(1 << 14) : omni::fma_f32_loop(1 << 14);
-      const double rate = flop / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      (is_dot ? dot : fma) = std::max(is_dot ? dot : fma, rate);
-    }
-  }
-  return fma >= 1.5 * dot ? 3 : 1;
+  return omni::fma_outruns_dot_bf16() ? 3 : 1;
 #else
   return 0;
 #endif

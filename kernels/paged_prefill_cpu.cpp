@@ -13,11 +13,19 @@
 //     exp_nonpositive from cpu_math.h), the keys past the row's end set to 0;
 //   out = P V / sum, 6 rows x 4 vectors of head_dim at a time in registers.
 // Work and reads: a block reads its keys up to its last position, so the causal triangle is walked at the
-// granularity of ROWS / group tokens. Everything is float32 (as torch's attention in the reference,
-// kernels/paged_prefill.py's paged_prefill_attention_reference, which widens a bfloat16 cache the same way).
+// granularity of ROWS / group tokens; scratch: (2 head_dim + ROWS) x ctx floats a thread. Everything is float32
+// (as torch's attention in the reference, kernels/paged_prefill.py's paged_prefill_attention_reference, which
+// widens a bfloat16 cache the same way) but on the pair path below.
+//
+// bfloat16 caches where vdpbf16ps is not outrun by FMAs (omni::fma_outruns_dot_bf16, cpu_peaks.h: the AMD EPYC,
+// not the Intel Xeons measured) take the pair path: the context is kept in bfloat16, K^T as pairs of consecutive
+// dimensions per key and V as pairs of consecutive keys per dimension, the queries and the softmax weights are
+// rounded to bfloat16 (as a bfloat16 model's are in vLLM's and FlashAttention's kernels), and each vdpbf16ps does
+// two multiply-adds per lane, float32 accumulation; the softmax and its sum stay float32 (unrounded weights).
 //
 // Why: the reference's torch SDPA ran SmolLM2's prefill attention at 33-55 GFLOP/s of causal work on the AMD EPYC
-// (Zen 4), a third of a 1,000-token prefill in the bfloat16 C++ step (docs/benchmarks.md).
+// (Zen 4), a third of a 1,000-token prefill in the bfloat16 C++ step; the float32 blocks run it at about 84, the
+// pair path at about 130 (docs/benchmarks.md).
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -27,9 +35,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_peaks.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -119,6 +129,109 @@ void weighted_values(const float* p, int64_t ld, const float* v, int64_t keys, i
       store_vec(o + (r0 + r) * head_dim + c0 + c * VEC, acc[r][c] * splat(inv_sum[r0 + r]));
 }
 
+#if defined(__AVX512BF16__)
+// The pair path (see the top): vdpbf16ps over pairs of bfloat16 values held as 32-bit words.
+inline uint32_t bf16_pair(float lo, float hi) {  // lo in the low half, as vdpbf16ps pairs element 2i with 2i + 1
+  return omni::bf16_bits(lo) | (omni::bf16_bits(hi) << 16);
+}
+
+// The first `len` tokens of KV head h into kt2 ([head_dim / 2][ld] words: dimensions 2p, 2p + 1 of key t) and
+// v2 ([ld / 2][head_dim] words: keys 2u, 2u + 1 of dimension d); the padding (tokens len..ld-1) is zero.
+void gather_pairs(const bf16* k_cache, const bf16* v_cache, const int32_t* table, int64_t len, int64_t block_size,
+                  const int64_t* k_stride, const int64_t* v_stride, int64_t h, int64_t head_dim, int64_t ld,
+                  uint32_t* kt2, uint32_t* v2) {
+  const int64_t pairs = head_dim / 2;
+  for (int64_t t = 0; t < ld; ++t) {
+    const bool real = t < len;
+    const int64_t block = real ? table[t / block_size] : 0, slot = t % block_size;
+    const bf16* k_row = k_cache + block * k_stride[0] + slot * k_stride[1] + h * k_stride[2];
+    const bf16* v_row = v_cache + block * v_stride[0] + slot * v_stride[1] + h * v_stride[2];
+    for (int64_t p = 0; p < pairs; ++p)
+      kt2[p * ld + t] = real ? k_row[2 * p].bits | (static_cast<uint32_t>(k_row[2 * p + 1].bits) << 16) : 0u;
+    uint16_t* row = reinterpret_cast<uint16_t*>(v2 + (t / 2) * head_dim) + (t % 2);
+    for (int64_t d = 0; d < head_dim; ++d) row[2 * d] = real ? v_row[d].bits : 0;
+  }
+}
+
+// s[r][0..keys) = q_r . k_t, q2 ([ROWS][head_dim / 2] words) the pre-scaled queries in bfloat16 pairs.
+void scores_pairs(const uint32_t* q2, const uint32_t* kt2, int64_t ld, int64_t keys, int64_t head_dim, float* s) {
+  const int64_t pairs = head_dim / 2;
+  for (int64_t j = 0; j < keys; j += 16) {
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt2 + p * ld + j));
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(q2[r * pairs + p])), k);
+    }
+    for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(s + r * ld + j, acc[r]);
+  }
+}
+
+// o[r] = inv_sum[r] * sum_t p[r][t] v_t for r in [r0, r0 + 6), 4 vectors of head_dim from c0; p2 ([ROWS][ld / 2]
+// words) the softmax weights in bfloat16 pairs.
+void weighted_values_pairs(const uint32_t* p2, int64_t ld, const uint32_t* v2, int64_t keys, int64_t head_dim,
+                           int r0, int64_t c0, const float* inv_sum, float* o) {
+  __m512 acc[6][4];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t u = 0; u < keys / 2; ++u) {
+    __m512bh vv[4];
+    for (int c = 0; c < 4; ++c)
+      vv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(v2 + u * head_dim + c0 + 16 * c));
+    for (int r = 0; r < 6; ++r) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(p2[(r0 + r) * (ld / 2) + u]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, vv[c]);
+    }
+  }
+  for (int r = 0; r < 6; ++r)
+    for (int c = 0; c < 4; ++c)
+      _mm512_storeu_ps(o + (r0 + r) * head_dim + c0 + 16 * c,
+                       _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv_sum[r0 + r])));
+}
+#endif
+
+// Whether bfloat16 caches take the pair path here: a build with -DOMNI_BF16_KERNEL=1 (vdpbf16ps) or 3 (FMAs), the
+// linear kernels' switch, forces it (the tests); else vdpbf16ps unless FMAs outrun it.
+bool use_pairs() {
+#if defined(__AVX512BF16__) && defined(OMNI_BF16_KERNEL)
+  return OMNI_BF16_KERNEL == 1;
+#elif defined(__AVX512BF16__)
+  return !omni::fma_outruns_dot_bf16();
+#else
+  return false;
+#endif
+}
+
+// The pair path's gather and block (see the top); with no pair path here, never called (`pairs` is false).
+template <typename T>
+void gather_context(const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, int64_t block_size,
+                    const int64_t* k_stride, const int64_t* v_stride, int64_t h, int64_t head_dim, int64_t ld,
+                    uint32_t* kt2, uint32_t* v2) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, bf16>::value)
+    gather_pairs(k_cache, v_cache, table, len, block_size, k_stride, v_stride, h, head_dim, ld, kt2, v2);
+#endif
+}
+
+// One block of ROWS rows on the pair path: the float32 pre-scaled queries q rounded into q2, scores into s,
+// softmax, its weights rounded into p2, out o; inv_sum gets each row's 1 / sum.
+void attend_pairs(const float* q, uint32_t* q2, const uint32_t* kt2, const uint32_t* v2, int64_t ld, int64_t keys,
+                  int64_t head_dim, const int64_t* lens, float* s, uint32_t* p2, float* inv_sum, float* o) {
+#if defined(__AVX512BF16__)
+  const int64_t pairs = head_dim / 2, half = ld / 2;
+  for (int64_t i = 0; i < ROWS * pairs; ++i) q2[i] = bf16_pair(q[2 * i], q[2 * i + 1]);
+  scores_pairs(q2, kt2, ld, keys, head_dim, s);
+  for (int r = 0; r < ROWS; ++r) {
+    float* row = s + r * ld;
+    inv_sum[r] = softmax_row(row, lens[r], keys);
+    for (int64_t u = 0; u < keys / 2; ++u) p2[r * half + u] = bf16_pair(row[2 * u], row[2 * u + 1]);
+  }
+  for (int r0 = 0; r0 < ROWS; r0 += 6)
+    for (int64_t c0 = 0; c0 < head_dim; c0 += 64) weighted_values_pairs(p2, ld, v2, keys, head_dim, r0, c0, inv_sum, o);
+#endif
+}
+
 // Returns -1, or the first sequence (in the order the threads met them) that breaks the contract (more new tokens
 // than context, a context needing more blocks than its table has columns, or a block outside [0, num_blocks)):
 // its rows of `out` are left unwritten.
@@ -130,6 +243,7 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
                 int64_t table_stride, const int64_t* out_stride, float scale) {
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t tokens_per_block = ROWS / group;
+  const bool pairs = std::is_same<T, bf16>::value && use_pairs();
   std::atomic<int64_t> bad_seq{-1};
 #pragma omp parallel
   {
@@ -140,6 +254,7 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
     _mm_setcsr(saved_csr | 0x8040u);
 #endif
     std::vector<float> kt, v, s, q(ROWS * head_dim), o(ROWS * head_dim);
+    std::vector<uint32_t> kt2, v2, q2(ROWS * head_dim / 2), p2;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
       const int64_t seq = item / num_kv_heads, h = item % num_kv_heads;
@@ -155,10 +270,18 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
         continue;
       }
       const int64_t ld = (ctx + VEC - 1) / VEC * VEC;
-      kt.resize(head_dim * ld);
-      v.resize(ld * head_dim);
       s.resize(ROWS * ld);
-      gather(k_cache, v_cache, table, ctx, block_size, k_stride, v_stride, h, head_dim, ld, kt.data(), v.data());
+      if (pairs) {
+        kt2.resize(head_dim / 2 * ld);
+        v2.resize(ld / 2 * head_dim);
+        p2.resize(ROWS * ld / 2);
+        gather_context(k_cache, v_cache, table, ctx, block_size, k_stride, v_stride, h, head_dim, ld, kt2.data(),
+                       v2.data());
+      } else {
+        kt.resize(head_dim * ld);
+        v.resize(ld * head_dim);
+        gather(k_cache, v_cache, table, ctx, block_size, k_stride, v_stride, h, head_dim, ld, kt.data(), v.data());
+      }
       for (int64_t i0 = 0; i0 < q_len; i0 += tokens_per_block) {
         const int64_t tokens = q_len - i0 < tokens_per_block ? q_len - i0 : tokens_per_block;
         int64_t lens[ROWS];
@@ -170,12 +293,17 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
           lens[r] = ctx - q_len + i + 1;
         }
         const int64_t keys = (lens[ROWS - 1] + VEC - 1) / VEC * VEC;  // the last row's is the longest
-        scores(q.data(), kt.data(), ld, keys, head_dim, s.data());
         float inv_sum[ROWS];
-        for (int r = 0; r < ROWS; ++r) inv_sum[r] = softmax_row(s.data() + r * ld, lens[r], keys);
-        for (int r0 = 0; r0 < ROWS; r0 += PV_ROWS)
-          for (int64_t c0 = 0; c0 < head_dim; c0 += PV_VECS * VEC)
-            weighted_values(s.data(), ld, v.data(), keys, head_dim, r0, c0, inv_sum, o.data());
+        if (pairs) {
+          attend_pairs(q.data(), q2.data(), kt2.data(), v2.data(), ld, keys, head_dim, lens, s.data(), p2.data(),
+                       inv_sum, o.data());
+        } else {
+          scores(q.data(), kt.data(), ld, keys, head_dim, s.data());
+          for (int r = 0; r < ROWS; ++r) inv_sum[r] = softmax_row(s.data() + r * ld, lens[r], keys);
+          for (int r0 = 0; r0 < ROWS; r0 += PV_ROWS)
+            for (int64_t c0 = 0; c0 < head_dim; c0 += PV_VECS * VEC)
+              weighted_values(s.data(), ld, v.data(), keys, head_dim, r0, c0, inv_sum, o.data());
+        }
         for (int64_t pair = 0; pair < tokens * group; ++pair) {
           float* dst = out + (q0 + i0 + pair / group) * out_stride[0] + (h * group + pair % group) * out_stride[1];
           std::memcpy(dst, o.data() + pair * head_dim, head_dim * sizeof(float));
@@ -193,6 +321,8 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
 
 // The head_dim multiple the kernel takes (PV_VECS vectors): the wrapper sends other shapes to the torch reference.
 extern "C" int64_t paged_prefill_head_dim_multiple() { return PV_VECS * VEC; }
+// 1 where bfloat16 caches take the pair path (vdpbf16ps), else 0.
+extern "C" int64_t paged_prefill_bf16_pairs() { return use_pairs() ? 1 : 0; }
 // The most query heads per KV head the kernel takes (a block holds at least one token's group).
 extern "C" int64_t paged_prefill_max_group() { return ROWS; }
 

@@ -10,7 +10,11 @@ sum per score) do the same work faster (docs/benchmarks.md has the measurements)
 Contract: :func:`kernels.paged_prefill.paged_prefill_attention`'s (query ``[T, Hq, D]``, caches ``[num_blocks,
 block_size, Hkv, D]``, int32 ``block_tables [S, max_blocks]``, ``query_start_loc [S+1]``, ``context_lens [S]``;
 query ``i`` of a chunk sits at position ``context_len - q_len + i`` and sees keys up to it) with a float32 query and
-float32 output over float32 or bfloat16 caches on the CPU. Precision: float32 throughout, as the reference.
+float32 output over float32 or bfloat16 caches on the CPU. Precision: float32 throughout, as the reference, but
+over bfloat16 caches where the CPU's vdpbf16ps is not outrun by its FMAs (`CpuPagedPrefill.bf16_pairs`, measured
+once per process as the linear kernels do: the AMD EPYC, not the Intel Xeons measured): there the queries and the
+softmax weights are rounded to bfloat16 for vdpbf16ps (as vLLM's and FlashAttention's kernels hold them in a
+bfloat16 model), float32 accumulation and softmax; the tests bound what that rounding adds.
 :meth:`CpuPagedPrefill.supports` says which shapes the kernel takes (head_dim a multiple of 4 SIMD vectors, at
 most 12 query heads per KV head); the backend sends others to the reference.
 
@@ -41,6 +45,12 @@ class CpuPagedPrefill(CpuLibrary):
     """The built kernel (`kernels.cpu_library.CpuLibrary`: built in ``build_dir`` on first use); see the module
     docstring for the contract.
 
+    Attributes:
+        head_dim_multiple: head_dim must be a multiple of it (4 SIMD vectors: 64 with AVX-512, 32 AVX2, 16 else).
+        max_group: the most query heads per KV head it takes (12).
+        bf16_pairs: bfloat16 caches run through vdpbf16ps with bfloat16-rounded queries and weights (see the
+            module docstring); False: float32 FMAs over the widened values.
+
     Raises:
         kernels.cpu_library.CpuKernelUnavailable: the kernel cannot be built or loaded here (the message says why).
     """
@@ -49,12 +59,14 @@ class CpuPagedPrefill(CpuLibrary):
     FLAGS = _FLAGS
     SIGNATURES = {**{symbol: (_ARGTYPES, ctypes.c_int64) for symbol in _SYMBOLS.values()},
                   "paged_prefill_head_dim_multiple": ([], ctypes.c_int64),
+                  "paged_prefill_bf16_pairs": ([], ctypes.c_int64),
                   "paged_prefill_max_group": ([], ctypes.c_int64)}
 
     def __init__(self, build_dir):
         super().__init__(build_dir)
         self.head_dim_multiple = int(self._fn["paged_prefill_head_dim_multiple"]())
         self.max_group = int(self._fn["paged_prefill_max_group"]())
+        self.bf16_pairs = bool(self._fn["paged_prefill_bf16_pairs"]())
 
     def supports(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether the kernel takes this query ([T, Hq, D]) over this cache ([num_blocks, block_size, Hkv, D]): a

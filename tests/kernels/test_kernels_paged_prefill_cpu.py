@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_testing import ATOL, PagedKV, assert_close, default_scale, naive_attention
 
+from kernels.cpu_library import cpu_features
 from kernels.paged_prefill import paged_prefill_attention_reference
 from kernels.paged_prefill_cpu import CpuPagedPrefill
 from omni_backend.engine.attention.cpu_backend import CpuAttention
@@ -17,23 +18,50 @@ from omni_backend.engine.attention.interface import AttentionMetadata
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
 
 X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+HAS_BF16 = X86 and "avx512_bf16" in cpu_features()
 CACHE_DTYPES = [torch.float32, torch.bfloat16]
 # float32 throughout, as the reference: within float32's tolerance of float64 (kernel_testing.ATOL)
 TOL = ATOL[torch.float32]
+BUILDS = {  # extra compiler flags: the vector widths other CPUs run, and both ways to multiply bfloat16 K/V
+    "native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2"],
+    "bf16-pairs": ["-DOMNI_BF16_KERNEL=1"], "bf16-fma": ["-DOMNI_BF16_KERNEL=3"],
+}
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+@pytest.fixture(scope="module", params=list(BUILDS))
 def kernel(request, tmp_path_factory):
-    """The kernel as the engine builds it, and (x86) built without AVX-512 (8-float vectors) and without AVX2 too
-    (4-float vectors): the widths other CPUs run, each with its own head_dim multiple (4 vectors)."""
-    if request.param != "native":
-        if not X86:
-            pytest.skip("the portable build is what non-x86 machines run already")
-        flags = ["-mno-avx512f"] + (["-mno-avx2"] if request.param == "portable" else [])
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(CpuPagedPrefill, "FLAGS", CpuPagedPrefill.FLAGS + flags)
-            return CpuPagedPrefill(tmp_path_factory.mktemp(f"cpu_prefill_{request.param}"))
-    return CpuPagedPrefill(tmp_path_factory.mktemp("cpu_prefill"))
+    """The kernel as the engine builds it; (x86) built without AVX-512 (8-float vectors) and without AVX2 too
+    (4-float vectors), each with its own head_dim multiple (4 vectors); (AVX512-BF16) with bfloat16 caches on the
+    vdpbf16ps pair path and on the float32 FMAs, whichever the native build measured faster."""
+    if request.param in ("avx2", "portable") and not X86:
+        pytest.skip("the portable build is what non-x86 machines run already")
+    if request.param.startswith("bf16") and not HAS_BF16:
+        pytest.skip("this CPU has no AVX512-BF16")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CpuPagedPrefill, "FLAGS", CpuPagedPrefill.FLAGS + BUILDS[request.param])
+        built = CpuPagedPrefill(tmp_path_factory.mktemp(f"cpu_prefill_{request.param}"))
+    assert built.bf16_pairs == (request.param == "bf16-pairs") or request.param == "native"
+    return built
+
+
+def _assert_matches_float64(got, pairs, kv, query, q_lens, ctx_lens, scale, what):
+    """`got` against float64 causal attention over the values the cache holds. float32 path: within float32's TOL.
+    Pair path (`pairs`: bfloat16 caches through vdpbf16ps): against float64 attention of the queries rounded as the
+    kernel rounds them (bf16(float32(q * scale))), within TOL plus what rounding the softmax weights to bfloat16
+    can add: each weight w_t becomes w_t (1 + rho_t), |rho_t| <= 2^-8 (bfloat16's unit roundoff: 8 significant
+    bits), over the unrounded sum, so an output element moves by at most 2^-8 sum_t w_t |v_td|, which is the same
+    attention over |v|."""
+    wide = PagedKV.__new__(PagedKV)
+    wide.__dict__.update(kv.__dict__, k_cache=kv.k_cache.float(), v_cache=kv.v_cache.float())
+    if not pairs:
+        assert_close(got, _naive(wide, query, q_lens, ctx_lens, scale), TOL, what)
+        return
+    rounded = (query.float() * scale).bfloat16().double()
+    want = _naive(wide, rounded, q_lens, ctx_lens, 1.0)
+    wide.v_cache = wide.v_cache.abs()
+    bound = 2.0**-8 * _naive(wide, rounded, q_lens, ctx_lens, 1.0) + TOL
+    excess = ((got.double() - want).abs() - bound).max().item()
+    assert not torch.isnan(got).any() and excess <= 0, f"{what}: over the bound by {excess:.3g}"
 
 
 def _setup(q_lens, ctx_lens, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
@@ -68,10 +96,10 @@ def test_prefill_matches_naive_and_reference(kernel, block_size, num_kv_heads, g
     assert kernel.supports(query, kv.k_cache)
     got = kernel(*args)
     assert got.dtype == torch.float32 and got.shape == query.shape
-    wide = PagedKV.__new__(PagedKV)  # the float64 reference reads the values the cache holds
-    wide.__dict__.update(kv.__dict__, k_cache=kv.k_cache.float(), v_cache=kv.v_cache.float())
-    assert_close(got, _naive(wide, query, q_lens, ctx_lens, scale), TOL, "cpu prefill vs float64")
-    assert_close(got, paged_prefill_attention_reference(*args), TOL, "cpu prefill vs torch reference")
+    pairs = dtype == torch.bfloat16 and kernel.bf16_pairs
+    _assert_matches_float64(got, pairs, kv, query, q_lens, ctx_lens, scale, "cpu prefill vs float64")
+    if not pairs:
+        assert_close(got, paged_prefill_attention_reference(*args), TOL, "cpu prefill vs torch reference")
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -87,8 +115,7 @@ def test_prefill_wider_heads_and_strided_query(kernel, head_dim):
     assert not strided.is_contiguous()
     scale = default_scale(head_dim)
     got = kernel(strided, kv.k_cache, kv.v_cache, kv.block_tables, starts, context_lens, scale)
-    assert_close(got, paged_prefill_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, starts,
-                                                        context_lens, scale), TOL, "strided query")
+    _assert_matches_float64(got, kernel.bf16_pairs, kv, query, q_lens, ctx_lens, scale, "strided query")
 
 
 def test_prefill_rows_do_not_depend_on_the_other_sequences(kernel):
@@ -156,9 +183,8 @@ def test_cpu_backend_prefills_float32_queries_with_the_kernel(tmp_path, monkeypa
                         lambda self, *a: calls.append(a[0].dtype) or kernel_call(self, *a))
     got = backend.prefill(query, kv.k_cache, kv.v_cache, meta)
     assert calls == [torch.float32]
-    reference = paged_prefill_attention_reference(query, kv.k_cache, kv.v_cache, kv.block_tables, starts, context_lens,
-                                                  0.125)
-    assert_close(got, reference, TOL, "backend prefill")
+    _assert_matches_float64(got, backend._prefill_kernel.bf16_pairs, kv, query, [6, 4], [6, 30], 0.125,
+                            "backend prefill")
     got16 = backend.prefill(query.bfloat16(), kv.k_cache, kv.v_cache, meta)
     assert calls == [torch.float32] and got16.dtype == torch.bfloat16
     assert torch.equal(got16, paged_prefill_attention_reference(query.bfloat16(), kv.k_cache, kv.v_cache,

@@ -57,7 +57,8 @@ inline double dot_bf16_loop(int64_t iters) {
 // widened to float32 and multiplied with FMAs: one vdpbf16ps per 2 cycles on the Intel Xeons measured, one per
 // cycle on the AMD EPYC, docs/benchmarks.md). Each loop's best of 5 runs of about 0.1-0.5 ms, interleaved, so that
 // a moment of load on a shared machine does not decide; the margin keeps a CPU where they are close on vdpbf16ps.
-// Measured once per library and process.
+// Measured once per process: GCC exports the static as a unique symbol (STB_GNU_UNIQUE), so the first library to
+// ask measures for all (linear and attention kernels then agree); with clang once per library.
 inline bool fma_outruns_dot_bf16() {
   static const bool outruns = [] {
     double dot = 0.0, fma = 0.0;

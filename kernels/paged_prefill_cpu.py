@@ -72,9 +72,11 @@ class CpuPagedPrefill(CpuLibrary):
         """Whether the kernel takes this query ([T, Hq, D]) over this cache ([num_blocks, block_size, Hkv, D]): a
         float32 query, a float32 or bfloat16 cache, D a multiple of `head_dim_multiple` and Hq / Hkv at most
         `max_group`."""
+        if k_cache.dim() != 4 or query.dim() != 3 or k_cache.shape[2] == 0:
+            return False
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         return (query.dtype == torch.float32 and k_cache.dtype in _SYMBOLS and head_dim % self.head_dim_multiple == 0
-                and query.dim() == 3 and query.shape[1] % num_kv_heads == 0
+                and query.shape[1] % num_kv_heads == 0
                 and query.shape[1] // num_kv_heads <= self.max_group)
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -119,8 +121,18 @@ class CpuPagedPrefill(CpuLibrary):
             num_kv_heads, head_dim, block_size, num_blocks, block_tables.shape[1], strides[0], strides[1],
             strides[2], block_tables.stride(0), strides[3], scale)
         if bad_seq >= 0:
-            q_len = int(query_start_loc[bad_seq + 1] - query_start_loc[bad_seq])
-            raise ValueError(f"sequence {bad_seq}: {q_len} new tokens over context length "
-                             f"{int(context_lens[bad_seq])}: more new tokens than context, more blocks than the block "
-                             f"table's {block_tables.shape[1]} columns, or a block outside [0, {num_blocks})")
+            why = self._why_refused(bad_seq, starts, context_lens, block_tables, block_size, num_blocks)
+            raise ValueError(f"sequence {bad_seq}: {why}")
         return out
+
+    @staticmethod
+    def _why_refused(seq: int, starts: list[int], context_lens: torch.Tensor, block_tables: torch.Tensor,
+                     block_size: int, num_blocks: int) -> str:
+        """Which of the kernel's checks sequence `seq` failed, in words."""
+        q_len, ctx = starts[seq + 1] - starts[seq], int(context_lens[seq])
+        if q_len > ctx:
+            return f"{q_len} new tokens but context_lens is {ctx}"
+        blocks = -(-ctx // block_size)
+        if blocks > block_tables.shape[1]:
+            return f"context length {ctx} needs {blocks} blocks, the block table has {block_tables.shape[1]} columns"
+        return f"its block table names a block outside [0, {num_blocks}) within its {blocks} blocks"

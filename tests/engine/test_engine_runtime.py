@@ -10,6 +10,7 @@ import torch
 
 from kernels.paged_decode import default_num_splits
 from kernels.paged_decode_cpu import CpuPagedDecode
+from kernels.paged_prefill_cpu import CpuPagedPrefill
 from omni_backend.engine.attention.selector import BACKENDS
 from omni_backend.engine.attention.self_test import self_test
 from omni_backend.engine.config import EngineConfig
@@ -74,6 +75,17 @@ def test_self_test_passes_for_the_triton_and_cpu_backends(heads, dtype, tmp_path
             continue  # the CPU engine runs float32 or bfloat16
         attention = BACKENDS[backend](head_dim ** -0.5, str(tmp_path))
         assert self_test(attention, q_heads, kv_heads, head_dim, dtype, torch.device("cpu"), 16) is None, backend
+
+
+def test_the_self_test_runs_the_cpu_steps_float32_query_prefill_over_bfloat16(tmp_path, monkeypatch):
+    """Over a bfloat16 cache the C++ CPU step prefills with float32 queries (the C++ prefill kernel, on AVX512-BF16
+    CPUs perhaps its vdpbf16ps path); the self-test runs that path too, so a wrong prefill kernel fails it."""
+    attention = BACKENDS["cpu"](64 ** -0.5, str(tmp_path))
+    assert self_test(attention, 9, 3, 64, torch.bfloat16, torch.device("cpu"), 16) is None
+    monkeypatch.setattr(CpuPagedPrefill, "__call__", lambda self, query, *args: torch.zeros_like(query))
+    failure = self_test(attention, 9, 3, 64, torch.bfloat16, torch.device("cpu"), 16)
+    assert failure.startswith("float32-query prefill differs from the torch reference by"), failure
+    assert self_test(attention, 9, 3, 64, torch.float32, torch.device("cpu"), 16).startswith("output differs")
 
 
 def test_a_wrong_kernel_fails_the_self_test_and_auto_falls_back_to_torch(tiny_qwen2_path, monkeypatch, caplog):

@@ -152,15 +152,17 @@ def test_prefill_refuses_what_it_does_not_take_and_reads_outside_the_cache(kerne
     with pytest.raises(ValueError, match="takes a float32 query"):
         kernel(query.bfloat16(), kv.k_cache.bfloat16(), kv.v_cache.bfloat16(), kv.block_tables, starts,
                context_lens, 1.0)
-    with pytest.raises(ValueError, match="sequence 1"):
+    assert not kernel.supports(query, kv.k_cache[0])  # a cache that is not [blocks, block_size, Hkv, D]
+    with pytest.raises(ValueError, match="sequence 1: 9 new tokens but context_lens is 8"):
         kernel(*args, kv.block_tables, starts, torch.tensor([5, 8], dtype=torch.int32), 1.0)
     width = kv.block_tables.shape[1]
-    with pytest.raises(ValueError, match="sequence 0"):
+    with pytest.raises(ValueError, match=f"sequence 0: context length {width * 16 + 1} needs {width + 1} blocks, "
+                                         f"the block table has {width} columns"):
         kernel(*args, kv.block_tables, starts, torch.tensor([width * 16 + 1, 20], dtype=torch.int32), 1.0)
     for bad_block in (-1, kv.k_cache.shape[0]):
         tables = kv.block_tables.clone()
         tables[1, 0] = bad_block
-        with pytest.raises(ValueError, match="sequence 1"):
+        with pytest.raises(ValueError, match=r"sequence 1: its block table names a block outside \[0, "):
             kernel(*args, tables, starts, context_lens, 1.0)
     with pytest.raises(ValueError, match="query_start_loc"):
         kernel(*args, kv.block_tables, torch.tensor([0, 5, 15], dtype=torch.int32), context_lens, 1.0)

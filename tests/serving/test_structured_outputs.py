@@ -183,11 +183,12 @@ def test_guided_decoding_inputs_on_omni_chat_through_tritonclient(triton_server)
         "text_input": chat_messages("And Rome?"), "max_tokens": 4, "guided_decoding_guide_type": "json_schema",
         "guided_decoding_guide": fresh})
     assert again.error is None
-    deadline = time.monotonic() + 15  # the llm stage publishes its metrics about once a second (the bad regex
-    # never reached it: preprocess refused it)
-    while _llm_metric(triton_server, "omni_structured_requests_total") < before["omni_structured_requests_total"] + 2:
-        assert time.monotonic() < deadline, "omni_structured_requests_total did not count the requests"
+    # The llm stage publishes its metrics about once a second (the bad regex never reached it: preprocess refused
+    # it), and `before` may predate an earlier test's last publication, so every counter is polled for its own
+    # increase: two requests, the second one's cache hit, one compile.
+    want = {"omni_structured_requests_total": 2, "omni_grammar_cache_hits_total": 1,
+            "omni_grammar_compile_seconds_count": 1}
+    deadline = time.monotonic() + 15
+    while (short := [name for name, n in want.items() if _llm_metric(triton_server, name) < before[name] + n]):
+        assert time.monotonic() < deadline, f"{short} did not count the requests"
         time.sleep(0.2)
-    assert _llm_metric(triton_server, "omni_grammar_cache_hits_total") >= before["omni_grammar_cache_hits_total"] + 1
-    assert _llm_metric(triton_server, "omni_grammar_compile_seconds_count") >= \
-        before["omni_grammar_compile_seconds_count"] + 1

@@ -120,7 +120,7 @@ def select_attention(requested: str, device: torch.device, num_q_heads: int, num
         if requested != "auto":
             raise
         logger.warning("attention backend cpu disabled, using torch: %s", exc)
-        backend, reason = TorchAttention(scale), "auto: the C++ decode kernel cannot be built here"
+        backend, reason = TorchAttention(scale), "auto: the C++ attention kernels cannot be built here"
         fallback = f"cpu kernel unavailable: {exc}"
     if backend.name != "torch":
         failure = self_test(backend, num_q_heads, num_kv_heads, head_dim, dtype, device, block_size)

@@ -19,7 +19,9 @@ def self_test(attention: AttentionBackend, num_q_heads: int, num_kv_heads: int, 
     One mixed step at the model's head shapes and dtype: a 37-token prompt, a 9-token chunk after 20 cached
     tokens, and two decodes (contexts 50 and 1), over randomly placed blocks, with a 2-way split-KV decode and its
     workspace where the backend splits (`decode_plan`, as the engine runs it). Compares the output to the torch
-    backend within SELF_TEST_ATOL and the written cache slots exactly.
+    backend within SELF_TEST_ATOL and the written cache slots exactly. A backend that serves the C++ CPU step
+    (`cpu_decode_kernel`) over a 16-bit cache also runs the prefill with float32 queries, as that step does (the
+    cpu backend's C++ prefill kernel, on bfloat16 its vdpbf16ps path where it is chosen), within the same tolerance.
 
     Returns:
         None when it agrees, else why not (an exception's type and message, or the largest difference), for
@@ -41,29 +43,41 @@ def self_test(attention: AttentionBackend, num_q_heads: int, num_kv_heads: int, 
     k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
 
-    def run(backend: AttentionBackend, plan: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kc, vc = k_cache.to(device), v_cache.to(device)
+    def metadata(plan: tuple) -> AttentionMetadata:
         tables_d = tables.to(device)
         ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), num_prefill_tokens=new[0] + new[1],
             prefill_query_start_loc=torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32, device=device),
             prefill_context_lens=ctx[:2], prefill_block_tables=tables_d[:2],
             decode_context_lens=ctx[2:], decode_block_tables=tables_d[2:],
             decode_num_splits=plan[0], decode_workspace=plan[1])
-        out = backend(q.to(device), k.to(device), v.to(device), kc, vc, meta)
+
+    def run(backend: AttentionBackend, plan: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kc, vc = k_cache.to(device), v_cache.to(device)
+        out = backend(q.to(device), k.to(device), v.to(device), kc, vc, metadata(plan))
         return out.float().cpu(), kc.cpu(), vc.cpu()
 
+    def float32_prefill(backend: AttentionBackend, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """The C++ CPU step's prefill: float32 queries over the 16-bit caches (another kernel path)."""
+        return backend.prefill(q[: new[0] + new[1]].float().to(device), kc.to(device), vc.to(device),
+                               metadata((None, None))).cpu()
+
+    reference = TorchAttention(attention.scale)
+    mixed = dtype != torch.float32 and attention.cpu_decode_kernel is not None
     try:
         plan = attention.decode_plan(2, num_q_heads, num_kv_heads, head_dim, blocks_per_seq * block_size, device,
                                      num_splits=2)
         got, got_k, got_v = run(attention, plan)
-        want, want_k, want_v = run(TorchAttention(attention.scale), (None, None))
+        want, want_k, want_v = run(reference, (None, None))
+        if mixed:
+            got_mixed, want_mixed = float32_prefill(attention, got_k, got_v), float32_prefill(reference, got_k, got_v)
     except Exception as exc:  # any failure to compile, load or launch is what this test is for
         return f"{type(exc).__name__}: {exc}"
     if not (torch.equal(got_k, want_k) and torch.equal(got_v, want_v)):
         return "store_kv wrote other cache contents than the torch reference"
-    error = (got - want).abs().max().item()
-    if not error <= SELF_TEST_ATOL[dtype]:  # also catches NaN
-        return f"output differs from the torch reference by {error:.3g} (tolerance {SELF_TEST_ATOL[dtype]:g})"
+    for what, error in [("output", (got - want).abs().max().item())] + (
+            [("float32-query prefill", (got_mixed - want_mixed).abs().max().item())] if mixed else []):
+        if not error <= SELF_TEST_ATOL[dtype]:  # also catches NaN
+            return f"{what} differs from the torch reference by {error:.3g} (tolerance {SELF_TEST_ATOL[dtype]:g})"
     return None

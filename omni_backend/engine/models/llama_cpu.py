@@ -172,8 +172,9 @@ class CpuLlamaForward:
                 meta: AttentionMetadata) -> torch.Tensor:
         """The attention of the float32 queries q [T, Hq, D] -> [T, Hq, D] float32. Over bfloat16 caches the
         decode rows go to the C++ kernel with float32 queries, as the one-call decode step does (same results),
-        the prefill rows to the backend's prefill (the torch reference) with float32 queries too: it widens the
-        gathered K/V and runs in float32, 1.6x faster than in bfloat16 on a CPU without AMX."""
+        the prefill rows to the backend's prefill with float32 queries too: the cpu backend's C++ kernel
+        (kernels/paged_prefill_cpu.py: float32, or where vdpbf16ps is chosen queries and softmax weights rounded to
+        bfloat16), else the torch reference (widens the gathered K/V and runs in float32)."""
         if k_cache.dtype == q.dtype:
             return self.attention.attend(q, k_cache, v_cache, meta)
         if self.attention.cpu_decode_kernel is None:  # a backend that takes queries of the caches' dtype only

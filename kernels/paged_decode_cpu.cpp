@@ -17,11 +17,10 @@
 // scripts/bench_cpu_decode.py): AVX-512 path 690-720 us against 1,280-1,370 us; prefetching the next block's
 // rows (its address is in the block table, where no hardware prefetcher looks) took 4-6 % off there.
 //
-// exp: exp_nonpositive from cpu_math.h.
+// exp: exp_nonpositive from cpu_math.h; softmax, the block-table check and the denormal mode from cpu_paged.h.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define OMNI_X86 1
 #endif
 
 #include <atomic>
@@ -31,6 +30,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_paged.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -97,20 +97,6 @@ inline void store(float x, fp16* out) {  // round to nearest even
 #endif
 }
 
-// Replaces s[0..len) by exp(s - max(s)) and returns their sum (len >= 1).
-inline float softmax_numerators(float* s, int64_t len) {
-  float top = s[0];
-#pragma omp simd reduction(max : top)
-  for (int64_t t = 1; t < len; ++t) top = s[t] > top ? s[t] : top;
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    s[t] = omni::exp_nonpositive(s[t] - top);
-    sum += s[t];
-  }
-  return sum;
-}
-
 // Prefetches the `head_dim` elements of head h in every row of the block that holds token `start`, if start < len:
 // the next block's address comes from the block table, which the hardware prefetchers cannot follow.
 template <typename T>
@@ -154,7 +140,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   });
   for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place; acc = sum_t p[g, t] * v_t
     float* s = scores + g * len;
-    const float sum = softmax_numerators(s, len);
+    const float sum = omni::softmax_numerators(s, len);
     float* a = acc + g * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.0f;
     for_each_token(v_cache, table, len, block_size, v_stride, h, head_dim, [&](int64_t t, const T* v) {
@@ -227,7 +213,7 @@ void attend_simd(const float* q, const T* k_cache, const T* v_cache, const int32
     }
   });
   float inv_sum[GROUP];
-  for (int g = 0; g < GROUP; ++g) inv_sum[g] = 1.0f / softmax_numerators(scores + g * len, len);
+  for (int g = 0; g < GROUP; ++g) inv_sum[g] = 1.0f / omni::softmax_numerators(scores + g * len, len);
   vf acc[GROUP][C] = {};
   for_each_token(v_cache, table, len, block_size, v_stride, h, HEAD_DIM, [&](int64_t t, const T* v) {
     vf vv[C];
@@ -275,22 +261,14 @@ int64_t decode(const Q* query, const T* k_cache, const T* v_cache, const int32_t
   std::atomic<int64_t> bad_row{-1};
 #pragma omp parallel
   {
-#ifdef OMNI_X86
-    // Flush denormals to zero (FTZ | DAZ) in this thread while it runs the kernel: a softmax over real scores
-    // has many probabilities near 0, and their products with V would otherwise be denormal floats, which are
-    // up to 100x slower on x86. Results differ from IEEE only below 1.2e-38.
-    const unsigned int saved_csr = _mm_getcsr();
-    _mm_setcsr(saved_csr | 0x8040u);
-#endif
+    const omni::FlushDenormals flush;
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = context_lens[b];
       Q* out_b = out + b * out_stride[0];
       const int32_t* table = block_tables + b * table_stride;
-      const int64_t blocks = len > 0 ? (len + block_size - 1) / block_size : 0;
-      bool valid = blocks <= max_blocks;
-      for (int64_t i = 0; valid && i < blocks; ++i) valid = table[i] >= 0 && table[i] < num_blocks;
+      const bool valid = omni::blocks_in_range(table, len, block_size, max_blocks, num_blocks);
       if (!valid) {
         int64_t none = -1;
         bad_row.compare_exchange_strong(none, b);
@@ -317,9 +295,6 @@ int64_t decode(const Q* query, const T* k_cache, const T* v_cache, const int32_t
                scores.data(), acc.data(), out_h, out_stride[1]);
       }
     }
-#ifdef OMNI_X86
-    _mm_setcsr(saved_csr);
-#endif
   }
   return bad_row.load();
 }

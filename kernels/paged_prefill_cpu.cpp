@@ -29,7 +29,6 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define OMNI_X86 1
 #endif
 
 #include <atomic>
@@ -39,6 +38,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_paged.h"
 #include "cpu_peaks.h"
 #include "cpu_simd.h"
 
@@ -101,15 +101,7 @@ void scores(const float* q, const float* kt, int64_t ld, int64_t keys, int64_t h
 
 // Row r's scores s[0..len) -> exp(s - max), s[len..keys) -> 0; returns 1 / the sum of the exps.
 float softmax_row(float* s, int64_t len, int64_t keys) {
-  float top = s[0];
-#pragma omp simd reduction(max : top)
-  for (int64_t t = 1; t < len; ++t) top = s[t] > top ? s[t] : top;
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    s[t] = omni::exp_nonpositive(s[t] - top);
-    sum += s[t];
-  }
+  const float sum = omni::softmax_numerators(s, len);
   for (int64_t t = len; t < keys; ++t) s[t] = 0.0f;
   return 1.0f / sum;
 }
@@ -254,12 +246,7 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
   std::atomic<int64_t> bad_seq{-1};
 #pragma omp parallel
   {
-#ifdef OMNI_X86
-    // Flush denormals to zero while the kernel runs in this thread (as the decode kernel: many probabilities are
-    // near 0, and denormal products are up to 100x slower on x86).
-    const unsigned int saved_csr = _mm_getcsr();
-    _mm_setcsr(saved_csr | 0x8040u);
-#endif
+    const omni::FlushDenormals flush;
     std::vector<float> kt, v, s, q(ROWS * head_dim), o(ROWS * head_dim);
     std::vector<uint32_t> kt2, v2, q2(ROWS * head_dim / 2), p2;
 #pragma omp for schedule(dynamic, 1)
@@ -268,10 +255,7 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
       const int64_t q0 = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q0, ctx = context_lens[seq];
       if (q_len <= 0) continue;
       const int32_t* table = block_tables + seq * table_stride;
-      const int64_t blocks = (ctx + block_size - 1) / block_size;
-      bool valid = q_len <= ctx && blocks <= max_blocks;
-      for (int64_t i = 0; valid && i < blocks; ++i) valid = table[i] >= 0 && table[i] < num_blocks;
-      if (!valid) {
+      if (q_len > ctx || !omni::blocks_in_range(table, ctx, block_size, max_blocks, num_blocks)) {
         int64_t none = -1;
         bad_seq.compare_exchange_strong(none, seq);
         continue;
@@ -317,9 +301,6 @@ int64_t prefill(const float* query, const T* k_cache, const T* v_cache, const in
         }
       }
     }
-#ifdef OMNI_X86
-    _mm_setcsr(saved_csr);
-#endif
   }
   return bad_seq.load();
 }
